@@ -1,0 +1,243 @@
+"""The optimizer contract: :class:`Transform`, :func:`chain`, :func:`apply_updates`.
+
+A transform is a pair of pure functions over TensorDicts, as in optax:
+
+* ``init(params) -> state``: the transform's state, a TensorDict (may be empty).
+* ``update(grads, state, params) -> (updates, state)``: new update directions
+  (to be *added* to params) and the next state.
+
+and one entry point that the training step uses:
+
+* ``step(grads, state, params, *, donate=False) -> (params, state)``: the
+  updated params and state. With ``donate=False`` no input is modified. With
+  ``donate=True`` params, state buffers and grads may be overwritten in place
+  (fused kernels, no parameter-sized temporaries); the inputs are then invalid.
+  Both give equal results. Transforms without a dedicated step fall back to
+  ``update`` followed by :func:`apply_updates`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import attrs
+import torch
+from tensordict import TensorDict, TensorDictBase
+
+from purestep import tree
+
+__all__ = [
+    "Schedule",
+    "ScalarOrSchedule",
+    "Transform",
+    "apply_updates",
+    "chain",
+    "current_lr",
+]
+
+
+class Schedule(Protocol):
+    """A pure function of an optimizer's own update count: ``count -> value``."""
+
+    def __call__(self, count: int | torch.Tensor, /) -> float: ...
+
+
+ScalarOrSchedule = float | Schedule | Callable[[int], float]
+
+
+class UpdateFn(Protocol):
+    def __call__(
+        self,
+        grads: TensorDictBase,
+        state: TensorDictBase,
+        params: TensorDictBase | None,
+        *,
+        donate: bool = False,
+    ) -> tuple[TensorDict, TensorDict]: ...
+
+
+class StepFn(Protocol):
+    def __call__(
+        self,
+        grads: TensorDictBase,
+        state: TensorDictBase,
+        params: TensorDictBase,
+        *,
+        donate: bool = False,
+    ) -> tuple[TensorDict, TensorDict]: ...
+
+
+@attrs.frozen
+class Transform:
+    """A gradient transformation: ``init``, ``update`` and a (possibly fused) ``step``.
+
+    Build transforms with the factories (:func:`purestep.optim.adamw`,
+    :func:`purestep.optim.sgd`, :func:`chain`, ...), not by hand, unless you are
+    writing a new one.
+
+    Attributes:
+        init_fn: ``params -> state``.
+        update_fn: ``(grads, state, params, *, donate=False) -> (updates, state)``.
+        step_fn: optional ``(grads, state, params, *, donate=False) -> (params, state)``
+            that is faster than ``update`` + ``apply_updates`` (fused kernels).
+        name: a short name for errors and reprs.
+        hparams: the validated hyperparameters (an attrs instance), if any.
+
+    Example:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> from purestep import optim
+        >>> t = optim.sgd(lr=0.5)
+        >>> p = TensorDict({"w": torch.ones(2)}, [])
+        >>> g = TensorDict({"w": torch.ones(2)}, [])
+        >>> new_p, s = t.step(g, t.init(p), p)
+        >>> new_p["w"]
+        tensor([0.5000, 0.5000])
+    """
+
+    init_fn: Callable[[TensorDictBase], TensorDict]
+    update_fn: UpdateFn
+    step_fn: StepFn | None = None
+    name: str = "transform"
+    hparams: Any = None
+
+    def init(self, params: TensorDictBase) -> TensorDict:
+        """The initial state for ``params`` (a TensorDict, empty for stateless transforms)."""
+        return self.init_fn(params)
+
+    def update(
+        self,
+        grads: TensorDictBase,
+        state: TensorDictBase,
+        params: TensorDictBase | None = None,
+        *,
+        donate: bool = False,
+    ) -> tuple[TensorDict, TensorDict]:
+        """Return ``(updates, new_state)``; pure unless ``donate=True``."""
+        return self.update_fn(grads, state, params, donate=donate)
+
+    def step(
+        self,
+        grads: TensorDictBase,
+        state: TensorDictBase,
+        params: TensorDictBase,
+        *,
+        donate: bool = False,
+    ) -> tuple[TensorDict, TensorDict]:
+        """Return ``(new_params, new_state)``; see the module docstring for ``donate``."""
+        tree.assert_same_structure(params, grads)
+        if self.step_fn is not None:
+            return self.step_fn(grads, state, params, donate=donate)
+        updates, new_state = self.update_fn(grads, state, params, donate=donate)
+        return apply_updates(params, updates, donate=donate), new_state
+
+
+def apply_updates(
+    params: TensorDictBase, updates: TensorDictBase, *, donate: bool = False
+) -> TensorDict:
+    """``params + updates`` leafwise, in each param's dtype.
+
+    With ``donate=True`` params are updated in place (and returned).
+
+    Example:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> p = TensorDict({"w": torch.ones(2)}, [])
+        >>> apply_updates(p, TensorDict({"w": torch.full((2,), 0.5)}, []))["w"]
+        tensor([1.5000, 1.5000])
+    """
+    tree.assert_same_structure(params, updates, what="updates")
+    p_leaves = tree.leaves(params)
+    u_leaves = [
+        u.to(p.dtype) if u.dtype != p.dtype else u
+        for p, u in zip(p_leaves, tree.leaves(updates), strict=True)
+    ]
+    if donate:
+        if p_leaves:
+            torch._foreach_add_([tree.local(p) for p in p_leaves], [tree.local(u) for u in u_leaves])
+        return params  # type: ignore[return-value]
+    return tree.rebuild(params, torch._foreach_add(p_leaves, u_leaves) if p_leaves else [])
+
+
+def _chain_init(transforms: tuple[Transform, ...]) -> Callable[[TensorDictBase], TensorDict]:
+    def init(params: TensorDictBase) -> TensorDict:
+        return TensorDict({str(i): t.init(params) for i, t in enumerate(transforms)}, batch_size=[])
+
+    return init
+
+
+def chain(*transforms: Transform) -> Transform:
+    """Compose transforms left to right; state is ``{"0": state_0, "1": state_1, ...}``.
+
+    The last transform's fused ``step`` is used when it has one, so
+    ``chain(clip_by_global_norm(1.0), adamw(1e-3))`` still runs the fused AdamW.
+
+    Example:
+        >>> from purestep import optim
+        >>> t = optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(lr=1e-3))
+        >>> t.name
+        'chain(clip_by_global_norm, adamw)'
+    """
+    if not transforms:
+        raise ValueError("chain() needs at least one transform")
+    for i, t in enumerate(transforms):
+        if not isinstance(t, Transform):
+            raise TypeError(f"chain: argument {i} is {type(t).__name__}, not a Transform")
+
+    def update(
+        grads: TensorDictBase,
+        state: TensorDictBase,
+        params: TensorDictBase | None,
+        *,
+        donate: bool = False,
+    ) -> tuple[TensorDict, TensorDict]:
+        new_state = {}
+        for i, t in enumerate(transforms):
+            grads, new_state[str(i)] = t.update(grads, state[str(i)], params, donate=donate)
+        return grads, TensorDict(new_state, batch_size=[])  # type: ignore[return-value]
+
+    def step(
+        grads: TensorDictBase,
+        state: TensorDictBase,
+        params: TensorDictBase,
+        *,
+        donate: bool = False,
+    ) -> tuple[TensorDict, TensorDict]:
+        new_state = {}
+        *head, last = transforms
+        for i, t in enumerate(head):
+            grads, new_state[str(i)] = t.update(grads, state[str(i)], params, donate=donate)
+        k = str(len(head))
+        new_params, new_state[k] = last.step(grads, state[k], params, donate=donate)
+        return new_params, TensorDict(new_state, batch_size=[])
+
+    name = "chain(" + ", ".join(t.name for t in transforms) + ")"
+    return Transform(
+        init_fn=_chain_init(tuple(transforms)),
+        update_fn=update,
+        step_fn=step,
+        name=name,
+    )
+
+
+def current_lr(opt_state: TensorDictBase) -> torch.Tensor | None:
+    """The learning rate used by the most recent update (0-dim CPU tensor), or None.
+
+    Transforms that scale by a learning rate keep it in their state under the
+    key ``"lr"``; in a chain the first one found (depth first) is returned.
+    Before the first update it is the lr the first update will use.
+
+    Example:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> from purestep import optim
+        >>> t = optim.adamw(lr=optim.schedules.linear(1e-3, 0.0, 10))
+        >>> float(optim.current_lr(t.init(TensorDict({"w": torch.ones(1)}, []))))
+        0.001
+    """
+    for path in tree.paths(opt_state):
+        if path[-1] == "lr":
+            value: torch.Tensor = opt_state.get(path)
+            return value
+    return None

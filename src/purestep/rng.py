@@ -1,0 +1,1 @@
+"""Counter-based PRNG keys (placeholder; being written)."""
