@@ -3,10 +3,59 @@
 A training method is a pure function ``step(state, batch) -> (state, metrics)``
 over one explicit :class:`tensordict.TensorDict` state that holds params,
 optimizer state, the PRNG key and the step counter.
+
+Example:
+    >>> import torch
+    >>> from torch import nn
+    >>> import purestep as ps
+    >>> net = nn.Linear(2, 1)
+    >>> def loss_fn(params, batch, key):
+    ...     return ((ps.call(net, params["student"], batch["x"]) - batch["y"]) ** 2).mean(), {}
+    >>> opt = {"student": ps.optim.adamw(lr=1e-2)}
+    >>> step = ps.train_step(ps.accumulate(ps.value_and_grad(loss_fn), 2), opt)
+    >>> state = ps.init_state({"student": net}, opt, seed=0)
+    >>> state, metrics = step(state, {"x": torch.ones(4, 2), "y": torch.zeros(4, 1)})
 """
 
 from purestep import optim, rng, tree
+from purestep.state import init_state, params_of, roles
+from purestep.step import (
+    EMAStep,
+    NonFiniteError,
+    Step,
+    TrainStep,
+    accumulate,
+    apply_gradients,
+    call,
+    current_microbatch,
+    live_roles,
+    skip_nonfinite,
+    train_step,
+    value_and_grad,
+    with_ema,
+)
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "optim", "rng", "tree"]
+__all__ = [
+    "EMAStep",
+    "NonFiniteError",
+    "Step",
+    "TrainStep",
+    "__version__",
+    "accumulate",
+    "apply_gradients",
+    "call",
+    "current_microbatch",
+    "init_state",
+    "live_roles",
+    "optim",
+    "params_of",
+    "rng",
+    "roles",
+    "skip_nonfinite",
+    "train_step",
+    "tree",
+    "value_and_grad",
+    "with_ema",
+]

@@ -1,0 +1,44 @@
+"""Step composition: gradients, accumulation, optimizer steps and wrappers.
+
+Every builder returns a function with the step signature
+``step(state, batch) -> (state, metrics)``; see ``docs/ARCHITECTURE.md``.
+"""
+
+from purestep.step._accumulate import accumulate, microbatch_sizes
+from purestep.step._batch import Batch, as_batch, with_index
+from purestep.step._grad import (
+    GradFn,
+    LossFn,
+    Microbatch,
+    call,
+    current_microbatch,
+    is_bound,
+    live_roles,
+    value_and_grad,
+)
+from purestep.step._train import NonFiniteError, Step, TrainStep, apply_gradients, train_step
+from purestep.step._wrappers import EMAStep, skip_nonfinite, with_ema
+
+__all__ = [
+    "Batch",
+    "EMAStep",
+    "GradFn",
+    "LossFn",
+    "Microbatch",
+    "NonFiniteError",
+    "Step",
+    "TrainStep",
+    "accumulate",
+    "apply_gradients",
+    "as_batch",
+    "call",
+    "current_microbatch",
+    "is_bound",
+    "live_roles",
+    "microbatch_sizes",
+    "skip_nonfinite",
+    "train_step",
+    "value_and_grad",
+    "with_ema",
+    "with_index",
+]

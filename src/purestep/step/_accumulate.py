@@ -1,0 +1,121 @@
+"""Gradient accumulation over microbatches with a single grads buffer."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from tensordict import TensorDict, TensorDictBase
+
+from purestep import tree
+from purestep.step._batch import batch_size, with_index
+from purestep.step._grad import GradFn, Microbatch, is_bound, microbatch_scope
+
+__all__ = ["accumulate", "microbatch_sizes"]
+
+
+def microbatch_sizes(b: int, k: int) -> list[int]:
+    """Sizes of ``k`` microbatches of a batch of ``b``: as equal as possible, larger first.
+
+    Example:
+        >>> microbatch_sizes(10, 4)
+        [3, 3, 2, 2]
+    """
+    if k < 1:
+        raise ValueError(f"accumulate: k must be >= 1, got {k}")
+    if b < k:
+        raise ValueError(f"accumulate: batch of {b} samples cannot be split into k={k} microbatches")
+    q, r = divmod(b, k)
+    return [q + 1 if i < r else q for i in range(k)]
+
+
+def _scale_(tensors: list[torch.Tensor], w: float) -> None:
+    if w != 1.0 and tensors:
+        torch._foreach_mul_([tree.local(t) for t in tensors], w)
+
+
+def _add_(acc: list[torch.Tensor], new: list[torch.Tensor], w: float) -> None:
+    if acc:
+        torch._foreach_add_([tree.local(t) for t in acc], [tree.local(t) for t in new], alpha=w)
+
+
+def accumulate(grad_fn: GradFn, k: int) -> GradFn:
+    """Split the batch into ``k`` microbatches and combine grads and metrics as the full-batch mean.
+
+    ``batch["index"] = arange(B)`` is assigned first when absent, so per-sample
+    randomness (drawn with ``rng.*(..., index=batch["index"])``) is the same as in
+    one big batch. Microbatch ``i`` of size ``n_i`` is weighted ``n_i / B``, so the
+    result equals the full-batch mean of a per-sample-mean loss up to float
+    summation order, also when ``B`` is not divisible by ``k``. Metrics are
+    combined with the same weights. Peak memory holds one grads buffer: the first
+    microbatch's grads are scaled in place and later ones added into them.
+
+    Bound (FSDP) roles accumulate in ``.grad`` instead: each microbatch's loss is
+    weighted before ``backward()``, gradient sync runs on the last one only, and
+    the grads are harvested once.
+
+    Args:
+        grad_fn: from :func:`purestep.value_and_grad` (must return fresh grad tensors).
+        k: number of microbatches (``1 <= k <= B``).
+
+    Example:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> from purestep import value_and_grad
+        >>> gf = value_and_grad(lambda p, b, key: ((p["w"] * b["x"]).mean(), {}))
+        >>> p = TensorDict({"w": torch.ones(1)}, [])
+        >>> b = TensorDict({"x": torch.arange(4.0)}, [4])
+        >>> accumulate(gf, 2)(p, b, torch.tensor(0))[0]["w"]
+        tensor([1.5000])
+    """
+    if not isinstance(k, int) or k < 1:
+        raise ValueError(f"accumulate: k must be a positive int, got {k!r}")
+
+    def acc_fn(
+        params: TensorDictBase,
+        batch: TensorDictBase,
+        key: torch.Tensor,
+        *,
+        roles: Sequence[str] | None = None,
+    ) -> tuple[TensorDict, TensorDict]:
+        batch = with_index(batch)
+        b = batch_size(batch)
+        sizes = microbatch_sizes(b, k)
+        if k == 1:
+            return grad_fn(params, batch, key, roles=roles)
+        grads: TensorDict | None = None
+        metrics: TensorDict | None = None
+        g_acc: dict[str, list[torch.Tensor]] = {}
+        m_acc: list[torch.Tensor] = []
+        start = 0
+        for i, n in enumerate(sizes):
+            mb = batch[start : start + n]
+            start += n
+            w = n / b
+            with microbatch_scope(Microbatch(index=i, count=k, weight=w)):
+                g, m = grad_fn(params, mb, key, roles=roles)
+            m_leaves = [t.to(torch.float32) if not t.is_floating_point() else t for t in tree.leaves(m)]
+            if metrics is None:
+                metrics = tree.rebuild(m, [t * w for t in m_leaves])
+                m_acc = tree.leaves(metrics)
+            else:
+                _add_(m_acc, m_leaves, w)
+            for role in g.keys():
+                leaves = tree.leaves(g.get(role))
+                if is_bound(params.get(role)):
+                    g_acc[role] = leaves  # already the weighted sum, harvested on the last microbatch
+                elif role not in g_acc:
+                    _scale_(leaves, w)
+                    g_acc[role] = leaves
+                else:
+                    _add_(g_acc[role], leaves, w)
+            if grads is None:
+                grads = g
+            else:
+                for role in g.keys():
+                    if role not in grads.keys():
+                        grads.set(role, g.get(role))
+        assert grads is not None and metrics is not None
+        return grads, metrics
+
+    return acc_fn

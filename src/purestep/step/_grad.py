@@ -1,0 +1,333 @@
+"""Functional calls and gradients: ``call``, ``value_and_grad``, ``live_roles``.
+
+Two kinds of roles:
+
+* **functional** roles (the default): state params are plain tensors; the loss
+  function runs modules with them through :func:`call`, and grads come from
+  ``torch.autograd.grad``.
+* **bound** roles: state params *are* a module's ``nn.Parameter`` objects (an
+  FSDP2 binding, :func:`purestep.distributed.fsdp.bind`). The module runs with
+  its own params, grads come from ``backward()`` and ``.grad`` (FSDP reduces
+  them there), and accumulation weights each microbatch's loss before
+  ``backward`` so ``.grad`` holds the weighted sum at the last microbatch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextvars import ContextVar
+from typing import Any, Protocol
+
+import attrs
+import torch
+from tensordict import TensorDict, TensorDictBase
+from torch import nn
+
+from purestep import tree
+
+__all__ = [
+    "GradFn",
+    "LossFn",
+    "Microbatch",
+    "call",
+    "current_microbatch",
+    "is_bound",
+    "live_roles",
+    "value_and_grad",
+]
+
+LossFn = Callable[
+    [TensorDictBase, TensorDictBase, torch.Tensor],
+    tuple[torch.Tensor | Mapping[str, torch.Tensor], Mapping[str, Any] | TensorDictBase | None],
+]
+
+
+class GradFn(Protocol):
+    """``grad_fn(params, batch, key, *, roles=None) -> (grads, metrics)``."""
+
+    def __call__(
+        self,
+        params: TensorDictBase,
+        batch: TensorDictBase,
+        key: torch.Tensor,
+        *,
+        roles: Sequence[str] | None = None,
+    ) -> tuple[TensorDict, TensorDict]: ...
+
+
+@attrs.frozen
+class Microbatch:
+    """Where a ``grad_fn`` call sits inside :func:`purestep.accumulate`.
+
+    Attributes:
+        index: 0-based microbatch number.
+        count: number of microbatches ``k``.
+        weight: this microbatch's share of the full batch (``size / B``).
+    """
+
+    index: int = 0
+    count: int = 1
+    weight: float = 1.0
+
+    @property
+    def is_last(self) -> bool:
+        """True on the final microbatch (when bound roles sync and harvest grads)."""
+        return self.index == self.count - 1
+
+
+_LIVE: ContextVar[frozenset[str] | None] = ContextVar("purestep_live_roles", default=None)
+_MICRO: ContextVar[Microbatch] = ContextVar("purestep_microbatch", default=Microbatch())
+
+# Called as hook(role_leaves, microbatch) right before backward() of a bound role;
+# the FSDP adapter registers one to switch gradient sync on the last microbatch only.
+BoundBackwardHook = Callable[[Sequence[torch.Tensor], Microbatch], None]
+_BOUND_HOOKS: list[BoundBackwardHook] = []
+
+
+def register_bound_backward_hook(hook: BoundBackwardHook) -> None:
+    """Register a hook run before ``backward()`` of bound roles (used by adapters)."""
+    if hook not in _BOUND_HOOKS:
+        _BOUND_HOOKS.append(hook)
+
+
+def live_roles() -> frozenset[str] | None:
+    """The roles whose gradients the current ``grad_fn`` call computes.
+
+    A loss function can skip the work of roles that are not live on this step
+    (e.g. DMD2's student on non-update steps). ``None`` outside a ``grad_fn`` call.
+
+    Example:
+        >>> live_roles() is None
+        True
+    """
+    return _LIVE.get()
+
+
+def current_microbatch() -> Microbatch:
+    """The :class:`Microbatch` being computed (``Microbatch()`` outside accumulation).
+
+    Example:
+        >>> current_microbatch().is_last
+        True
+    """
+    return _MICRO.get()
+
+
+@contextlib.contextmanager
+def microbatch_scope(mb: Microbatch) -> Iterator[None]:
+    """Mark the enclosed ``grad_fn`` call as microbatch ``mb`` (used by ``accumulate``)."""
+    token = _MICRO.set(mb)
+    try:
+        yield
+    finally:
+        _MICRO.reset(token)
+
+
+def is_bound(params: TensorDictBase) -> bool:
+    """True when ``params`` are a module's own ``nn.Parameter`` objects (a bound role).
+
+    Example:
+        >>> from tensordict import TensorDict
+        >>> is_bound(TensorDict({"w": torch.ones(1)}, []))
+        False
+    """
+    first = next(iter(params.values(include_nested=True, leaves_only=True)), None)
+    return isinstance(first, nn.Parameter)
+
+
+def call(module: nn.Module, params: TensorDictBase, *args: Any, **kwargs: Any) -> Any:
+    """Run ``module(*args, **kwargs)`` with ``params`` in place of its own parameters.
+
+    The module's own parameters are restored afterwards; the module keeps no
+    reference to ``params``. Keys of ``params`` follow the module tree (as
+    :meth:`TensorDict.from_module`); params not in ``params`` (frozen ones,
+    buffers) are the module's own. When ``params`` are the module's own
+    ``nn.Parameter`` objects (a bound role) the module is called directly.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> from tensordict import TensorDict
+        >>> lin = nn.Linear(1, 1)
+        >>> p = TensorDict({"weight": torch.full((1, 1), 2.0), "bias": torch.zeros(1)}, [])
+        >>> call(lin, p, torch.ones(1, 1))
+        tensor([[2.]])
+    """
+    if is_bound(params):
+        return module(*args, **kwargs)
+    with params.to_module(module):
+        return module(*args, **kwargs)
+
+
+def _as_metrics(metrics: Mapping[str, Any] | TensorDictBase | None) -> TensorDict:
+    if metrics is None:
+        return TensorDict({}, batch_size=[])
+    if isinstance(metrics, TensorDictBase):
+        td = metrics
+    else:
+        td = TensorDict(
+            {
+                k: (v if isinstance(v, (torch.Tensor, TensorDictBase, Mapping)) else torch.tensor(v))
+                for k, v in metrics.items()
+            },
+            batch_size=[],
+        )
+    return td.detach()  # type: ignore[no-any-return]
+
+
+def _role_losses(
+    loss: torch.Tensor | Mapping[str, torch.Tensor], roles: Sequence[str]
+) -> dict[str, torch.Tensor]:
+    if isinstance(loss, torch.Tensor):
+        out = dict.fromkeys(roles, loss)
+    elif isinstance(loss, Mapping):
+        out = {r: loss[r] for r in roles if r in loss}
+    else:
+        raise TypeError(
+            f"loss_fn returned a loss of type {type(loss).__name__}; expected a scalar "
+            "tensor or a mapping {role: scalar tensor}"
+        )
+    for role, value in out.items():
+        if not isinstance(value, torch.Tensor) or value.numel() != 1:
+            shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+            raise ValueError(f"loss for role {role!r} must be a scalar tensor; got {shape}")
+    return out
+
+
+def _loss_metrics(loss: torch.Tensor | Mapping[str, torch.Tensor], metrics: TensorDict) -> None:
+    if isinstance(loss, torch.Tensor):
+        if "loss" not in metrics.keys():
+            metrics.set("loss", loss.detach().reshape(()))
+    else:
+        for role, value in loss.items():
+            if isinstance(value, torch.Tensor):
+                metrics.set((role, "loss"), value.detach().reshape(()))
+
+
+def _functional_grads(
+    losses: dict[str, torch.Tensor], leaves: dict[str, list[torch.Tensor]]
+) -> dict[str, list[torch.Tensor]]:
+    out: dict[str, list[torch.Tensor]] = {}
+    distinct = {id(v) for v in losses.values()}
+    if len(distinct) == 1 and len(losses) > 0:
+        # one scalar loss for every live role: a single backward pass.
+        roles = list(losses)
+        flat = [t for r in roles for t in leaves[r]]
+        grads = torch.autograd.grad(
+            next(iter(losses.values())), flat, allow_unused=True, materialize_grads=True
+        )
+        i = 0
+        for r in roles:
+            out[r] = list(grads[i : i + len(leaves[r])])
+            i += len(leaves[r])
+        return out
+    items = list(losses.items())
+    for j, (role, loss) in enumerate(items):
+        out[role] = list(
+            torch.autograd.grad(
+                loss,
+                leaves[role],
+                retain_graph=j < len(items) - 1,
+                allow_unused=True,
+                materialize_grads=True,
+            )
+        )
+    return out
+
+
+def _bound_grads(
+    losses: dict[str, torch.Tensor], leaves: dict[str, list[torch.Tensor]]
+) -> dict[str, list[torch.Tensor]]:
+    mb = current_microbatch()
+    for role in losses:
+        for hook in _BOUND_HOOKS:
+            hook(leaves[role], mb)
+    distinct: dict[int, torch.Tensor] = {id(v): v for v in losses.values()}
+    scaled = [v * mb.weight if mb.weight != 1.0 else v for v in distinct.values()]
+    torch.autograd.backward(scaled)
+    out: dict[str, list[torch.Tensor]] = {}
+    if not mb.is_last:
+        return out
+    for role in losses:
+        grads = []
+        for p in leaves[role]:
+            g = p.grad
+            grads.append(torch.zeros_like(p) if g is None else g)
+            p.grad = None
+        out[role] = grads
+    return out
+
+
+def value_and_grad(loss_fn: LossFn) -> GradFn:
+    """Turn ``loss_fn(params, batch, key) -> (loss, metrics)`` into a gradient function.
+
+    ``loss`` is a scalar (every live role differentiates it) or ``{role: scalar}``
+    (each role is differentiated only by its own loss; a live role absent from
+    the mapping gets no gradient and is not updated). ``metrics`` is a mapping or
+    TensorDict of scalars, or None.
+
+    The returned ``grad_fn(params, batch, key, *, roles=None)`` computes grads for
+    ``roles`` (default: every role in ``params``). Other roles are passed to
+    ``loss_fn`` detached, so no graph is built through them. Returns
+    ``(grads, metrics)``: grads is a TensorDict ``{role: tree}`` shaped like
+    ``params[role]``; metrics a TensorDict of detached scalars on device, with
+    the loss under ``"loss"`` (or ``(role, "loss")`` for per-role losses).
+
+    Example:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> def loss_fn(params, batch, key):
+        ...     return (params["m", "w"] * batch["x"]).sum(), {}
+        >>> grad_fn = value_and_grad(loss_fn)
+        >>> params = TensorDict({"m": {"w": torch.ones(2)}}, [])
+        >>> batch = TensorDict({"x": torch.tensor([1.0, 2.0])}, [2])
+        >>> grads, metrics = grad_fn(params, batch, torch.tensor(0))
+        >>> grads["m", "w"]
+        tensor([1., 2.])
+    """
+
+    def grad_fn(
+        params: TensorDictBase,
+        batch: TensorDictBase,
+        key: torch.Tensor,
+        *,
+        roles: Sequence[str] | None = None,
+    ) -> tuple[TensorDict, TensorDict]:
+        all_roles = list(params.keys())
+        live = all_roles if roles is None else list(roles)
+        unknown = [r for r in live if r not in all_roles]
+        if unknown:
+            raise KeyError(f"roles {unknown} have no params (roles with params: {all_roles})")
+        call_params = params.copy()
+        leaves: dict[str, list[torch.Tensor]] = {}
+        bound: dict[str, bool] = {}
+        for role in live:
+            role_params = params.get(role)
+            bound[role] = is_bound(role_params)
+            if bound[role]:
+                leaves[role] = tree.leaves(role_params)
+            else:
+                leaves[role] = [t.detach().requires_grad_(True) for t in tree.leaves(role_params)]
+                call_params.set(role, tree.rebuild(role_params, leaves[role]))
+        token = _LIVE.set(frozenset(live))
+        try:
+            with torch.enable_grad():
+                loss, raw_metrics = loss_fn(call_params, batch, key)
+                losses = _role_losses(loss, live)
+                func = {r: v for r, v in losses.items() if not bound[r]}
+                bnd = {r: v for r, v in losses.items() if bound[r]}
+                grad_lists = _functional_grads(func, leaves) if func else {}
+                if bnd:
+                    grad_lists.update(_bound_grads(bnd, leaves))
+        finally:
+            _LIVE.reset(token)
+        metrics = _as_metrics(raw_metrics)
+        _loss_metrics(loss, metrics)
+        grads = TensorDict(
+            {r: tree.rebuild(params.get(r), grad_lists[r]) for r in live if r in grad_lists},
+            batch_size=[],
+        )
+        return grads, metrics
+
+    return grad_fn

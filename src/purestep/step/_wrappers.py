@@ -1,0 +1,144 @@
+"""Step wrappers with the step signature: ``with_ema`` and ``skip_nonfinite``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+import torch
+from tensordict import TensorDict, TensorDictBase
+
+from purestep import tree
+from purestep.step._batch import Batch
+from purestep.step._train import TrainStep
+
+__all__ = ["EMAStep", "skip_nonfinite", "with_ema"]
+
+
+def _check_decay(_: object, attribute: attrs.Attribute[float], value: float) -> None:
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"with_ema: {attribute.name} must be in [0, 1], got {value}")
+
+
+@attrs.frozen
+class EMAStep:
+    """The step built by :func:`with_ema` (see there)."""
+
+    inner: TrainStep | EMAStep
+    decay: float = attrs.field(validator=_check_decay)
+    roles: tuple[str, ...]
+    start_step: int = 0
+
+    @property
+    def donate(self) -> bool:
+        """Whether the wrapped step donates its input state."""
+        return self.inner.donate
+
+    def prepare(self, state: TensorDictBase) -> TensorDict:
+        """Add ``state["ema", role]`` (a copy of the role's params) where missing."""
+        state = self.inner.prepare(state)
+        missing = [r for r in self.roles if ("ema", r) not in state.keys(include_nested=True)]
+        for role in self.roles:
+            if role not in state.get("params").keys():
+                raise KeyError(f"with_ema: role {role!r} has no params in state")
+        if not missing:
+            return state  # type: ignore[return-value]
+        out = state.copy()
+        for role in missing:
+            out.set(("ema", role), tree.clone(state.get(("params", role))))
+        return out  # type: ignore[no-any-return]
+
+    def __call__(self, state: TensorDictBase, batch: Batch) -> tuple[TensorDict, TensorDict]:
+        state = self.prepare(state)
+        step = int(state.get("step"))
+        new_state, metrics = self.inner(state, batch)
+        if "skipped" in metrics.keys() and bool(metrics.get("skipped")):
+            return new_state, metrics
+        for role in self.roles:
+            p = tree.leaves(new_state.get(("params", role)))
+            ema_td = new_state.get(("ema", role))
+            e = tree.leaves(ema_td)
+            if self.donate:
+                if step < self.start_step:
+                    tree.copy_(e, p)
+                else:
+                    torch._foreach_lerp_([tree.local(t) for t in e], [tree.local(t) for t in p], 1.0 - self.decay)
+            else:
+                new = (
+                    [t.clone() for t in p]
+                    if step < self.start_step
+                    else list(torch._foreach_lerp(e, p, 1.0 - self.decay))
+                )
+                new_state.set(("ema", role), tree.rebuild(ema_td, new))
+        return new_state, metrics
+
+
+def with_ema(
+    step: TrainStep | EMAStep, decay: float, roles: Sequence[str], *, start_step: int = 0
+) -> EMAStep:
+    """Keep an exponential moving average of ``roles``' params in ``state["ema", role]``.
+
+    After each step at index ``s`` (the input ``state["step"]``):
+    ``ema = ema + (1 - decay) * (params - ema)`` (``lerp`` on the leaf lists) when
+    ``s >= start_step``; before ``start_step`` the EMA is a copy of the params, so
+    it starts from the params at ``start_step``. A step skipped by
+    :func:`skip_nonfinite` leaves the EMA unchanged. Donation follows the
+    wrapped step.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> from purestep import call, init_state, optim, train_step, value_and_grad
+        >>> net = nn.Linear(1, 1)
+        >>> loss = lambda p, b, k: (call(net, p["student"], b["x"]) ** 2).mean()
+        >>> opt = {"student": optim.sgd(lr=0.1)}
+        >>> step = with_ema(train_step(value_and_grad(lambda p, b, k: (loss(p, b, k), {})), opt),
+        ...                 0.99, ["student"])
+        >>> state = step.prepare(init_state({"student": net}, opt, seed=0))
+        >>> state, _ = step(state, {"x": torch.ones(2, 1)})
+        >>> sorted(state["ema"].keys())
+        ['student']
+    """
+    if not roles:
+        raise ValueError("with_ema: roles is empty")
+    if start_step < 0:
+        raise ValueError(f"with_ema: start_step must be >= 0, got {start_step}")
+    if not isinstance(step, (TrainStep, EMAStep)):
+        raise TypeError(
+            f"with_ema wraps steps built by train_step/with_ema/skip_nonfinite; got "
+            f"{type(step).__name__}"
+        )
+    return EMAStep(inner=step, decay=float(decay), roles=tuple(roles), start_step=start_step)
+
+
+def skip_nonfinite(
+    step: TrainStep | EMAStep, *, max_consecutive: int | None = None
+) -> TrainStep | EMAStep:
+    """Skip updates whose loss or gradient is not finite, as if they never happened.
+
+    A skipped step leaves params, opt_state (so optimizer counts and schedules)
+    and EMA exactly unchanged, advances ``state["step"]`` (so the next step gets a
+    fresh key), and counts skips in ``state["skip", "total"]`` and
+    ``state["skip", "consecutive"]``. Metrics gain a boolean ``"skipped"``. More
+    than ``max_consecutive`` consecutive skips raise :class:`NonFiniteError`
+    naming the count. Checking finiteness costs one host sync per step.
+
+    Works on steps built by :func:`train_step`, in any order with
+    :func:`with_ema` (``skip_nonfinite(with_ema(s))`` == ``with_ema(skip_nonfinite(s))``).
+
+    Example:
+        >>> from purestep import optim, train_step, value_and_grad
+        >>> s = skip_nonfinite(train_step(value_and_grad(lambda p, b, k: (p["m", "w"].sum(), {})),
+        ...                               {"m": optim.sgd(lr=0.1)}), max_consecutive=3)
+        >>> s.max_consecutive
+        3
+    """
+    if max_consecutive is not None and max_consecutive < 0:
+        raise ValueError(f"skip_nonfinite: max_consecutive must be >= 0, got {max_consecutive}")
+    if isinstance(step, EMAStep):
+        return attrs.evolve(step, inner=skip_nonfinite(step.inner, max_consecutive=max_consecutive))
+    if isinstance(step, TrainStep):
+        return attrs.evolve(step, skip_nonfinite=True, max_consecutive=max_consecutive)
+    raise TypeError(
+        f"skip_nonfinite wraps steps built by train_step/with_ema; got {type(step).__name__}"
+    )
