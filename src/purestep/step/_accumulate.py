@@ -24,7 +24,9 @@ def microbatch_sizes(b: int, k: int) -> list[int]:
     if k < 1:
         raise ValueError(f"accumulate: k must be >= 1, got {k}")
     if b < k:
-        raise ValueError(f"accumulate: batch of {b} samples cannot be split into k={k} microbatches")
+        raise ValueError(
+            f"accumulate: batch of {b} samples cannot be split into k={k} microbatches"
+        )
     q, r = divmod(b, k)
     return [q + 1 if i < r else q for i in range(k)]
 
@@ -94,16 +96,20 @@ def accumulate(grad_fn: GradFn, k: int) -> GradFn:
             w = n / b
             with microbatch_scope(Microbatch(index=i, count=k, weight=w)):
                 g, m = grad_fn(params, mb, key, roles=roles)
-            m_leaves = [t.to(torch.float32) if not t.is_floating_point() else t for t in tree.leaves(m)]
+            m_leaves = [
+                t.to(torch.float32) if not t.is_floating_point() else t for t in tree.leaves(m)
+            ]
             if metrics is None:
                 metrics = tree.rebuild(m, [t * w for t in m_leaves])
                 m_acc = tree.leaves(metrics)
             else:
                 _add_(m_acc, m_leaves, w)
-            for role in g.keys():
+            for role_key in g.keys():
+                role = str(role_key)
                 leaves = tree.leaves(g.get(role))
                 if is_bound(params.get(role)):
-                    g_acc[role] = leaves  # already the weighted sum, harvested on the last microbatch
+                    # already the weighted sum, harvested on the last microbatch
+                    g_acc[role] = leaves
                 elif role not in g_acc:
                     _scale_(leaves, w)
                     g_acc[role] = leaves
@@ -112,9 +118,9 @@ def accumulate(grad_fn: GradFn, k: int) -> GradFn:
             if grads is None:
                 grads = g
             else:
-                for role in g.keys():
-                    if role not in grads.keys():
-                        grads.set(role, g.get(role))
+                for new_role in g.keys():
+                    if new_role not in grads.keys():
+                        grads.set(new_role, g.get(new_role))
         assert grads is not None and metrics is not None
         return grads, metrics
 

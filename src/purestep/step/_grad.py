@@ -77,7 +77,7 @@ class Microbatch:
 
 
 _LIVE: ContextVar[frozenset[str] | None] = ContextVar("purestep_live_roles", default=None)
-_MICRO: ContextVar[Microbatch] = ContextVar("purestep_microbatch", default=Microbatch())
+_MICRO: ContextVar[Microbatch] = ContextVar("purestep_microbatch", default=Microbatch())  # noqa: B039 (frozen)
 
 # Called as hook(role_leaves, microbatch) right before backward() of a bound role;
 # the FSDP adapter registers one to switch gradient sync on the last microbatch only.
@@ -85,10 +85,61 @@ BoundBackwardHook = Callable[[Sequence[torch.Tensor], Microbatch], None]
 _BOUND_HOOKS: list[BoundBackwardHook] = []
 
 
+# Called as hook(bound_leaves, metrics) -> metrics by train_step when the state has
+# bound roles; the FSDP adapter registers one that averages the per-rank metrics.
+BoundMetricsHook = Callable[[Sequence[torch.Tensor], TensorDict], TensorDict]
+_BOUND_METRICS_HOOKS: list[BoundMetricsHook] = []
+
+
 def register_bound_backward_hook(hook: BoundBackwardHook) -> None:
-    """Register a hook run before ``backward()`` of bound roles (used by adapters)."""
+    """Register ``hook(role_leaves, microbatch)``, run before ``backward()`` of bound roles.
+
+    Used by adapters: the FSDP adapter turns gradient sync on for the last
+    microbatch only. Registering the same hook twice has no effect.
+
+    Example:
+        >>> register_bound_backward_hook(lambda leaves, mb: None)
+    """
     if hook not in _BOUND_HOOKS:
         _BOUND_HOOKS.append(hook)
+
+
+def register_bound_metrics_hook(hook: BoundMetricsHook) -> None:
+    """Register ``hook(bound_leaves, metrics) -> metrics``, run by ``train_step`` (adapters).
+
+    The FSDP adapter registers one that averages per-rank metrics over the
+    data-parallel ranks, so a bound step logs the same loss as one process.
+
+    Example:
+        >>> register_bound_metrics_hook(lambda leaves, metrics: metrics)
+    """
+    if hook not in _BOUND_METRICS_HOOKS:
+        _BOUND_METRICS_HOOKS.append(hook)
+
+
+def reduce_bound_metrics(params: TensorDictBase, metrics: TensorDict) -> TensorDict:
+    """Pass ``metrics`` through the bound-metrics hooks when ``params`` has bound roles.
+
+    With functional roles only, ``metrics`` is returned as is (no hook runs).
+
+    Example:
+        >>> from tensordict import TensorDict
+        >>> m = TensorDict({"loss": torch.tensor(1.0)}, [])
+        >>> reduce_bound_metrics(TensorDict({"s": {"w": torch.ones(1)}}, []), m) is m
+        True
+    """
+    if not _BOUND_METRICS_HOOKS:
+        return metrics
+    bound: list[torch.Tensor] = []
+    for role in params.keys():
+        role_params = params.get(role)
+        if is_bound(role_params):
+            bound.extend(tree.leaves(role_params))
+    if not bound:
+        return metrics
+    for hook in _BOUND_METRICS_HOOKS:
+        metrics = hook(bound, metrics)
+    return metrics
 
 
 def live_roles() -> frozenset[str] | None:
@@ -168,7 +219,9 @@ def _as_metrics(metrics: Mapping[str, Any] | TensorDictBase | None) -> TensorDic
     else:
         td = TensorDict(
             {
-                k: (v if isinstance(v, (torch.Tensor, TensorDictBase, Mapping)) else torch.tensor(v))
+                k: (
+                    v if isinstance(v, (torch.Tensor, TensorDictBase, Mapping)) else torch.tensor(v)
+                )
                 for k, v in metrics.items()
             },
             batch_size=[],
@@ -237,12 +290,24 @@ def _functional_grads(
 
 
 def _bound_grads(
-    losses: dict[str, torch.Tensor], leaves: dict[str, list[torch.Tensor]]
+    losses: dict[str, torch.Tensor],
+    leaves: dict[str, list[torch.Tensor]],
+    idle: list[torch.Tensor],
 ) -> dict[str, list[torch.Tensor]]:
+    """``backward()`` of the bound roles' losses; harvest ``.grad`` on the last microbatch.
+
+    ``idle`` are the params of bound roles that get no grads from this call (not
+    live, or no loss of their own): the hooks see them too (so their modules'
+    sync settings follow the microbatch) and any ``.grad`` that ``backward()``
+    left on them is dropped, so it cannot leak into a later step.
+    """
     mb = current_microbatch()
     for role in losses:
         for hook in _BOUND_HOOKS:
             hook(leaves[role], mb)
+    if idle:
+        for hook in _BOUND_HOOKS:
+            hook(idle, mb)
     distinct: dict[int, torch.Tensor] = {id(v): v for v in losses.values()}
     scaled = [v * mb.weight if mb.weight != 1.0 else v for v in distinct.values()]
     torch.autograd.backward(scaled)
@@ -256,6 +321,8 @@ def _bound_grads(
             grads.append(torch.zeros_like(p) if g is None else g)
             p.grad = None
         out[role] = grads
+    for p in idle:
+        p.grad = None
     return out
 
 
@@ -273,6 +340,13 @@ def value_and_grad(loss_fn: LossFn) -> GradFn:
     ``(grads, metrics)``: grads is a TensorDict ``{role: tree}`` shaped like
     ``params[role]``; metrics a TensorDict of detached scalars on device, with
     the loss under ``"loss"`` (or ``(role, "loss")`` for per-role losses).
+
+    Bound roles (:func:`purestep.distributed.fsdp.bind`) run the module with its
+    own params, so they are never detached: grads come from one ``backward()``
+    of all bound roles' losses, and a bound role's grads are those of the *sum*
+    of the losses that reach its params. With ``{role: loss}`` over several
+    bound roles, detach across roles (as DMD2's losses do). Grads that reach a
+    bound role with no loss of its own on this call are dropped.
 
     Example:
         >>> import torch
@@ -319,7 +393,13 @@ def value_and_grad(loss_fn: LossFn) -> GradFn:
                 bnd = {r: v for r, v in losses.items() if bound[r]}
                 grad_lists = _functional_grads(func, leaves) if func else {}
                 if bnd:
-                    grad_lists.update(_bound_grads(bnd, leaves))
+                    idle = [
+                        t
+                        for r in all_roles
+                        if r not in bnd and (bound[r] if r in bound else is_bound(params.get(r)))
+                        for t in tree.leaves(params.get(r))
+                    ]
+                    grad_lists.update(_bound_grads(bnd, leaves, idle))
         finally:
             _LIVE.reset(token)
         metrics = _as_metrics(raw_metrics)

@@ -12,7 +12,7 @@ from tensordict import TensorDict, TensorDictBase
 from purestep import rng, tree
 from purestep.optim import Transform, current_lr
 from purestep.step._batch import Batch, as_batch, with_index
-from purestep.step._grad import GradFn, is_bound
+from purestep.step._grad import GradFn, is_bound, reduce_bound_metrics
 
 __all__ = ["Step", "TrainStep", "apply_gradients", "train_step"]
 
@@ -96,7 +96,7 @@ def apply_gradients(
             out.set(("params", role), new_params)
         if new_opt is not opt_state:
             out.set(("opt_state", role), new_opt)
-    return out  # type: ignore[return-value]
+    return out
 
 
 def _next_step(state: TensorDictBase, out: TensorDictBase, donate: bool) -> None:
@@ -125,7 +125,9 @@ class TrainStep:
         """Check ``state`` against the optimizers; add skip counters when skipping is on."""
         for role in self.optimizers:
             if role not in state.get("params").keys():
-                raise KeyError(f"train_step: optimizer for role {role!r}, but state has no params for it")
+                raise KeyError(
+                    f"train_step: optimizer for role {role!r}, but state has no params for it"
+                )
             if role not in state.get("opt_state").keys():
                 raise KeyError(
                     f"train_step: state has no opt_state for role {role!r}; build the state "
@@ -135,8 +137,8 @@ class TrainStep:
             out = state.copy()
             zero = torch.zeros((), dtype=torch.int64)
             out.set("skip", TensorDict({"total": zero, "consecutive": zero.clone()}, []))
-            return out  # type: ignore[no-any-return]
-        return state  # type: ignore[return-value]
+            return out
+        return state
 
     def __call__(self, state: TensorDictBase, batch: Batch) -> tuple[TensorDict, TensorDict]:
         state = self.prepare(state)
@@ -146,6 +148,8 @@ class TrainStep:
         roles = self.due_roles(step)
         _check_bound_donation(state, roles, self.donate)
         grads, metrics = self.grad_fn(state.get("params"), batch, key, roles=roles)
+        # bound (FSDP) roles: per-rank metrics -> data-parallel mean (one collective)
+        metrics = reduce_bound_metrics(state.get("params"), metrics)
         updated = [r for r in roles if r in grads.keys()]
         norms = {r: tree.global_norm(tree.leaves(grads.get(r))) for r in updated}
         if self.skip_nonfinite:
@@ -177,14 +181,16 @@ class TrainStep:
         _next_step(state, out, self.donate)
         _set_skip(out, state, consecutive=consecutive, total_inc=1, donate=self.donate)
         metrics.set("skipped", torch.ones((), dtype=torch.bool))
-        return out, metrics  # type: ignore[return-value]
+        return out, metrics
 
 
 def _all_finite(metrics: TensorDictBase, norms: Mapping[str, torch.Tensor]) -> torch.Tensor:
     checks = [torch.isfinite(n).all() for n in norms.values()]
     for path, leaf in zip(tree.paths(metrics), tree.leaves(metrics), strict=True):
         if path[-1] == "loss" and leaf.is_floating_point():
-            checks.append(torch.isfinite(leaf).all().to(checks[0].device if checks else leaf.device))
+            checks.append(
+                torch.isfinite(leaf).all().to(checks[0].device if checks else leaf.device)
+            )
     if not checks:
         return torch.ones((), dtype=torch.bool)
     return torch.stack([c.cpu() for c in checks]).all()
@@ -223,6 +229,10 @@ def train_step(
        advances only when it updates;
     5. increments ``step``; metrics gain ``(role, "lr")`` and ``(role, "grad_norm")``
        (global L2 norm before any clipping) for each updated role.
+
+    With bound (FSDP) roles the step must donate, and the loss function's
+    metrics (per-rank means) are averaged over the data-parallel ranks before
+    the finiteness check, so every rank logs, and skips, alike.
 
     Args:
         grad_fn: from :func:`purestep.value_and_grad`, maybe wrapped in

@@ -42,11 +42,11 @@ class EMAStep:
             if role not in state.get("params").keys():
                 raise KeyError(f"with_ema: role {role!r} has no params in state")
         if not missing:
-            return state  # type: ignore[return-value]
+            return state
         out = state.copy()
         for role in missing:
             out.set(("ema", role), tree.clone(state.get(("params", role))))
-        return out  # type: ignore[no-any-return]
+        return out
 
     def __call__(self, state: TensorDictBase, batch: Batch) -> tuple[TensorDict, TensorDict]:
         state = self.prepare(state)
@@ -62,7 +62,9 @@ class EMAStep:
                 if step < self.start_step:
                     tree.copy_(e, p)
                 else:
-                    torch._foreach_lerp_([tree.local(t) for t in e], [tree.local(t) for t in p], 1.0 - self.decay)
+                    torch._foreach_lerp_(
+                        [tree.local(t) for t in e], [tree.local(t) for t in p], 1.0 - self.decay
+                    )
             else:
                 new = (
                     [t.clone() for t in p]

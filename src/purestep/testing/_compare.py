@@ -28,8 +28,9 @@ def snapshot(x: TensorDictBase | Mapping[str, Any]) -> TensorDict:
         >>> s["w"]
         tensor([1.])
     """
-    td = _as_td(x)
-    return td.apply(lambda t: tree.local(t).detach().clone())  # type: ignore[no-any-return]
+    out = _as_td(x).apply(lambda t: tree.local(t).detach().clone())
+    assert isinstance(out, TensorDict)
+    return out
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

@@ -94,7 +94,7 @@ def param_trees(
 @st.composite
 def batches(
     draw: st.DrawFn,
-    B: int | st.SearchStrategy[int] = 8,  # noqa: N803 (B is the conventional batch-size name)
+    B: int | st.SearchStrategy[int] = 8,
     *,
     fields: Mapping[str, Sequence[int]] | None = None,
     dtype: torch.dtype = torch.float32,

@@ -1,0 +1,454 @@
+"""Properties of step composition: grads, accumulation, cadence, EMA, non-finite skips, donation."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tensordict import TensorDict, TensorDictBase
+from torch import nn
+
+import purestep as ps
+from purestep import optim, rng, testing, tree
+
+FAST = settings(max_examples=15, deadline=None)
+
+
+def _mlp(seed: int = 0, d_in: int = 3, d_out: int = 2) -> nn.Module:
+    g = torch.Generator().manual_seed(seed)
+    net = nn.Sequential(nn.Linear(d_in, 8), nn.Tanh(), nn.Linear(8, d_out))
+    with torch.no_grad():
+        for p in net.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    return net
+
+
+def _batch(seed: int, b: int, d_in: int = 3, d_out: int = 2) -> TensorDict:
+    g = torch.Generator().manual_seed(seed)
+    return TensorDict(
+        {"x": torch.randn(b, d_in, generator=g), "y": torch.randn(b, d_out, generator=g)}, [b]
+    )
+
+
+def _noisy_loss(net: nn.Module, role: str = "student") -> ps.step.LossFn:
+    """MSE on inputs perturbed by per-sample noise drawn from the step key."""
+
+    def loss_fn(
+        params: TensorDictBase, batch: TensorDictBase, key: torch.Tensor
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        noise = rng.normal(key, tuple(batch["x"].shape), index=batch["index"])
+        pred = ps.call(net, params[role], batch["x"] + 0.1 * noise)
+        loss = ((pred - batch["y"]) ** 2).mean()
+        return loss, {"abs_err": (pred - batch["y"]).abs().mean()}
+
+    return loss_fn
+
+
+OPTIMIZERS: dict[str, Callable[[], optim.Transform]] = {
+    "sgd": lambda: optim.sgd(lr=0.05, momentum=0.9, nesterov=True),
+    "adam": lambda: optim.adam(lr=1e-2, amsgrad=True),
+    "adamw": lambda: optim.adamw(lr=1e-2, weight_decay=0.1),
+    "lion": lambda: optim.lion(lr=1e-3),
+    "clip+adamw": lambda: optim.chain(optim.clip_by_global_norm(0.5), optim.adamw(lr=1e-2)),
+    "adamw+schedule": lambda: optim.adamw(lr=optim.schedules.warmup_cosine(1e-2, 2, 10)),
+}
+
+
+# --- value_and_grad and call ---------------------------------------------------------------
+
+
+@FAST
+@given(seed=st.integers(0, 2**16), b=st.integers(1, 9))
+def test_value_and_grad_equals_module_backward(seed: int, b: int) -> None:
+    """grad_fn's grads equal loss.backward() on a module holding the same weights."""
+    net = _mlp(seed)
+    params = TensorDict({"student": ps.params_of("student", net)}, [])
+    batch = _batch(seed, b)
+
+    def loss_fn(p: TensorDictBase, bt: TensorDictBase, key: torch.Tensor) -> Any:
+        return ((ps.call(net, p["student"], bt["x"]) - bt["y"]) ** 2).mean(), None
+
+    grads, metrics = ps.value_and_grad(loss_fn)(params, batch, rng.key(0))
+    ref = _mlp(seed)
+    loss = ((ref(batch["x"]) - batch["y"]) ** 2).mean()
+    loss.backward()
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(grads["student", *name.split(".")], p.grad)
+    torch.testing.assert_close(metrics["loss"], loss.detach())
+    assert not metrics["loss"].requires_grad
+
+
+def test_call_never_uses_the_modules_own_weights() -> None:
+    """A module full of NaNs, called with finite params, gives finite outputs and is restored."""
+    net = _mlp(0)
+    params = ps.params_of("m", net)
+    with torch.no_grad():
+        for p in net.parameters():
+            p.fill_(float("nan"))
+    out = ps.call(net, params, torch.ones(2, 3))
+    assert torch.isfinite(out).all()
+    assert torch.isnan(net[0].weight).all()
+
+
+def test_each_role_is_differentiated_only_by_its_own_loss() -> None:
+    """With {role: loss}, a role's grads come from its loss alone; a role absent gets none."""
+    a, b = _mlp(1), _mlp(2)
+    params = TensorDict(
+        {"a": ps.params_of("a", a), "b": ps.params_of("b", b), "c": ps.params_of("c", _mlp(3))}, []
+    )
+    batch = _batch(0, 4)
+
+    def loss_fn(p: TensorDictBase, bt: TensorDictBase, key: torch.Tensor) -> Any:
+        ya = ps.call(a, p["a"], bt["x"])
+        yb = ps.call(b, p["b"], bt["x"])
+        # a's loss depends on b's output too, but only a is differentiated by it
+        return {"a": (ya * yb).mean(), "b": yb.pow(2).mean()}, {}
+
+    grads, metrics = ps.value_and_grad(loss_fn)(params, batch, rng.key(0))
+    assert set(grads.keys()) == {"a", "b"}
+    ref_b = _mlp(2)
+    ref_b(batch["x"]).pow(2).mean().backward()
+    for name, p in ref_b.named_parameters():
+        torch.testing.assert_close(grads["b", *name.split(".")], p.grad)
+    assert set(metrics.keys()) == {"a", "b"}
+
+
+def test_roles_not_requested_build_no_graph_and_get_no_grads() -> None:
+    """grad_fn(roles=[...]) differentiates only those roles; live_roles() tells the loss."""
+    seen: list[frozenset[str] | None] = []
+    a, b = _mlp(1), _mlp(2)
+    params = TensorDict({"a": ps.params_of("a", a), "b": ps.params_of("b", b)}, [])
+
+    def loss_fn(p: TensorDictBase, bt: TensorDictBase, key: torch.Tensor) -> Any:
+        seen.append(ps.live_roles())
+        assert not p["b", "0", "weight"].requires_grad
+        return ps.call(a, p["a"], bt["x"]).mean() + ps.call(b, p["b"], bt["x"]).mean(), {}
+
+    grads, _ = ps.value_and_grad(loss_fn)(params, _batch(0, 3), rng.key(0), roles=["a"])
+    assert list(grads.keys()) == ["a"]
+    assert seen == [frozenset({"a"})]
+    assert ps.live_roles() is None
+
+
+def test_non_scalar_loss_is_an_error_naming_the_role() -> None:
+    """A vector loss names the role and shape."""
+    net = _mlp(0)
+    params = TensorDict({"student": ps.params_of("student", net)}, [])
+    gf = ps.value_and_grad(lambda p, b, k: (ps.call(net, p["student"], b["x"]), {}))
+    with pytest.raises(ValueError, match=r"student.*\(4, 2\)"):
+        gf(params, _batch(0, 4), rng.key(0))
+
+
+# --- accumulation ---------------------------------------------------------------------------
+
+
+@FAST
+@given(seed=st.integers(0, 2**16), b=st.integers(1, 12), k=st.integers(1, 6))
+def test_accumulated_grads_equal_full_batch_grads(seed: int, b: int, k: int) -> None:
+    """accumulate(k) gives the full-batch mean gradient, also for B not divisible by k."""
+    if k > b:
+        k = b
+    net = _mlp(seed)
+    params = TensorDict({"student": ps.params_of("student", net)}, [])
+    gf = ps.value_and_grad(_noisy_loss(net))
+    batch = _batch(seed, b)
+    key = rng.key(seed)
+    full_g, full_m = ps.accumulate(gf, 1)(params, batch, key)
+    acc_g, acc_m = ps.accumulate(gf, k)(params, batch, key)
+    testing.assert_trees_close(acc_g, full_g, rtol=1e-5, atol=1e-6)
+    testing.assert_trees_close(acc_m, full_m, rtol=1e-5, atol=1e-6)
+
+
+def test_accumulate_assigns_index_before_splitting() -> None:
+    """Without batch['index'], microbatches still see global ids 0..B-1."""
+    seen: list[torch.Tensor] = []
+    net = _mlp(0)
+
+    def loss_fn(p: TensorDictBase, bt: TensorDictBase, key: torch.Tensor) -> Any:
+        seen.append(bt["index"].clone())
+        return ps.call(net, p["s"], bt["x"]).mean(), {}
+
+    params = TensorDict({"s": ps.params_of("s", net)}, [])
+    ps.accumulate(ps.value_and_grad(loss_fn), 3)(params, _batch(0, 7), rng.key(0))
+    assert torch.equal(torch.cat(seen), torch.arange(7))
+    assert [len(s) for s in seen] == [3, 2, 2]
+
+
+def test_accumulate_with_more_microbatches_than_samples_is_an_error() -> None:
+    """B < k names both numbers."""
+    net = _mlp(0)
+    gf = ps.accumulate(ps.value_and_grad(_noisy_loss(net)), 5)
+    params = TensorDict({"student": ps.params_of("student", net)}, [])
+    with pytest.raises(ValueError, match=r"3 samples.*k=5"):
+        gf(params, _batch(0, 3), rng.key(0))
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_train_step_is_accumulation_invariant_for_every_optimizer(name: str) -> None:
+    """Three train steps with accumulate(k) match k=1 for k in 2, 3, 4 (B=12)."""
+    net = _mlp(0)
+    opt = {"student": OPTIMIZERS[name]()}
+    gf = ps.value_and_grad(_noisy_loss(net))
+    state = ps.init_state({"student": net}, opt, seed=1)
+    batches = [_batch(i, 12) for i in range(3)]
+    # lion's sign() amplifies tiny summation-order differences of near-zero moments
+    tol = {"rtol": 1e-4, "atol": 1e-4} if name == "lion" else {"rtol": 1e-5, "atol": 1e-6}
+    testing.assert_accumulation_invariant(
+        lambda k: ps.train_step(ps.accumulate(gf, k), opt), state, batches, ks=(1, 2, 3, 4), **tol
+    )
+
+
+# --- train_step: purity, donation, determinism, resume ---------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_train_step_is_pure_deterministic_and_donation_safe(name: str) -> None:
+    """For every optimizer: inputs unchanged, bitwise repeatable, donate=True == donate=False."""
+    net = _mlp(0)
+    opt = {"student": OPTIMIZERS[name]()}
+    gf = ps.value_and_grad(_noisy_loss(net))
+    state = ps.init_state({"student": net}, opt, seed=3)
+    batches = [_batch(i, 6) for i in range(3)]
+    testing.assert_pure(ps.train_step(gf, opt), state, batches[0])
+    testing.assert_deterministic(ps.train_step(gf, opt), state, batches)
+    testing.assert_donation_safe(lambda d: ps.train_step(gf, opt, donate=d), state, batches)
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_train_step_resumes_exactly_from_a_saved_state(name: str) -> None:
+    """Save after 2 of 4 steps, load, continue with a freshly built step: bitwise equal."""
+    net = _mlp(0)
+    opt = {"student": OPTIMIZERS[name]()}
+    state = ps.init_state({"student": net}, opt, seed=4)
+    step = ps.train_step(ps.value_and_grad(_noisy_loss(net)), opt)
+    fresh = ps.train_step(ps.value_and_grad(_noisy_loss(net)), {"student": OPTIMIZERS[name]()})
+    testing.assert_resume_exact(
+        step, state, [_batch(i, 5) for i in range(4)], save_at=2, restart_step=fresh
+    )
+
+
+def test_step_key_is_rng_folded_with_step_and_step_increments() -> None:
+    """The loss sees fold_in(state['rng'], state['step']); step goes up by one per call."""
+    keys: list[torch.Tensor] = []
+    net = _mlp(0)
+
+    def loss_fn(p: TensorDictBase, bt: TensorDictBase, key: torch.Tensor) -> Any:
+        keys.append(key.clone())
+        return ps.call(net, p["s"], bt["x"]).mean(), {}
+
+    opt = {"s": optim.sgd(0.1)}
+    step = ps.train_step(ps.value_and_grad(loss_fn), opt)
+    state = ps.init_state({"s": net}, opt, seed=11)
+    for i in range(3):
+        state, metrics = step(state, _batch(i, 2))
+        assert int(state["step"]) == i + 1
+        assert torch.equal(keys[-1], rng.fold_in(rng.key(11), i))
+        assert float(metrics["s", "lr"]) == pytest.approx(0.1)
+        assert float(metrics["s", "grad_norm"]) > 0
+
+
+def test_batch_dict_is_converted_and_never_mutated() -> None:
+    """A plain dict batch works; the caller's dict gains no 'index' key."""
+    net = _mlp(0)
+    opt = {"student": optim.adamw(1e-3)}
+    step = ps.train_step(ps.value_and_grad(_noisy_loss(net)), opt)
+    state = ps.init_state({"student": net}, opt, seed=0)
+    batch = {"x": torch.ones(3, 3), "y": torch.zeros(3, 2)}
+    step(state, batch)
+    assert set(batch) == {"x", "y"}
+
+
+def test_inconsistent_batch_dimension_is_an_error_naming_the_keys() -> None:
+    """Leaves that disagree on B are named."""
+    net = _mlp(0)
+    opt = {"student": optim.adamw(1e-3)}
+    step = ps.train_step(ps.value_and_grad(_noisy_loss(net)), opt)
+    state = ps.init_state({"student": net}, opt, seed=0)
+    with pytest.raises(ValueError, match=r"3: x.*4: y"):
+        step(state, {"x": torch.ones(3, 3), "y": torch.zeros(4, 2)})
+
+
+# --- cadence ----------------------------------------------------------------------------------
+
+
+def _two_role_setup(
+    every: int, calls: list[frozenset[str] | None]
+) -> tuple[ps.TrainStep, TensorDict]:
+    gen, critic = _mlp(1), _mlp(2, d_in=2)
+
+    def loss_fn(p: TensorDictBase, bt: TensorDictBase, key: torch.Tensor) -> Any:
+        live = ps.live_roles()
+        calls.append(live)
+        out: dict[str, torch.Tensor] = {}
+        fake = ps.call(gen, p["gen"], bt["x"])
+        if live is not None and "gen" in live:
+            out["gen"] = -ps.call(critic, p["critic"], fake).mean()
+        out["critic"] = ps.call(critic, p["critic"], fake.detach()).pow(2).mean()
+        return out, {}
+
+    opt = {
+        "gen": optim.adamw(optim.schedules.linear(1e-2, 0.0, 10)),
+        "critic": optim.adam(1e-2, betas=(0.0, 0.999)),
+    }
+    step = ps.train_step(ps.value_and_grad(loss_fn), opt, every={"gen": every})
+    return step, ps.init_state({"gen": gen, "critic": critic}, opt, seed=0)
+
+
+@settings(max_examples=6, deadline=None)
+@given(every=st.integers(1, 4))
+def test_role_with_every_n_changes_only_on_multiples_of_n(every: int) -> None:
+    """every={'gen': N}: gen's params and opt_state change exactly when step % N == 0."""
+    calls: list[frozenset[str] | None] = []
+    step, state = _two_role_setup(every, calls)
+    batches = [_batch(i, 4) for i in range(2 * every + 1)]
+    testing.assert_cadence(step, state, batches, "gen", every)
+    testing.assert_cadence(step, state, batches, "critic", 1)
+
+
+def test_cadenced_role_count_and_schedule_advance_only_when_it_updates() -> None:
+    """The student's optimizer count (and so its lr) follows its own updates, not the step."""
+    calls: list[frozenset[str] | None] = []
+    step, state = _two_role_setup(3, calls)
+    for i in range(7):
+        state, metrics = step(state, _batch(i, 4))
+        if i % 3 == 0:
+            n_updates = i // 3 + 1
+            assert float(metrics["gen", "lr"]) == pytest.approx(1e-2 * (1 - (n_updates - 1) / 10))
+        else:
+            assert "gen" not in metrics.keys()
+    assert int(state["opt_state", "gen", "count"]) == 3
+    assert int(state["opt_state", "critic", "count"]) == 7
+    assert calls == [
+        frozenset({"gen", "critic"}) if i % 3 == 0 else frozenset({"critic"}) for i in range(7)
+    ]
+
+
+def test_every_for_unknown_role_is_an_error() -> None:
+    """every names a role without an optimizer."""
+    with pytest.raises(KeyError, match="teacher"):
+        ps.train_step(lambda *a, **k: None, {"s": optim.sgd(0.1)}, every={"teacher": 2})  # type: ignore[arg-type,return-value]
+
+
+# --- EMA -----------------------------------------------------------------------------------------
+
+
+@settings(max_examples=8, deadline=None)
+@given(decay=st.floats(0.0, 1.0), start=st.integers(0, 3))
+def test_ema_follows_the_lerp_formula_from_start_step(decay: float, start: int) -> None:
+    """ema_s = params_s for s < start, then ema += (1 - decay) * (params - ema) after each step."""
+    net = _mlp(0)
+    opt = {"student": optim.sgd(0.1)}
+    inner = ps.train_step(ps.value_and_grad(_noisy_loss(net)), opt)
+    step = ps.with_ema(inner, decay, ["student"], start_step=start)
+    state = step.prepare(ps.init_state({"student": net}, opt, seed=0))
+    expected = [t.clone() for t in tree.leaves(state["params", "student"])]
+    for i in range(5):
+        state, _ = step(state, _batch(i, 4))
+        p = tree.leaves(state["params", "student"])
+        if i < start:
+            expected = [t.clone() for t in p]
+        else:
+            expected = [e + (1 - decay) * (q - e) for e, q in zip(expected, p, strict=True)]
+        for e, got in zip(expected, tree.leaves(state["ema", "student"]), strict=True):
+            torch.testing.assert_close(got, e, rtol=1e-6, atol=1e-7)
+
+
+def test_ema_step_is_pure_and_donation_safe() -> None:
+    """with_ema keeps purity and donate=True == donate=False."""
+    net = _mlp(0)
+    opt = {"student": optim.adamw(1e-2)}
+    gf = ps.value_and_grad(_noisy_loss(net))
+
+    def make(d: bool) -> ps.EMAStep:
+        return ps.with_ema(ps.train_step(gf, opt, donate=d), 0.9, ["student"], start_step=1)
+
+    state = ps.init_state({"student": net}, opt, seed=0)
+    batches = [_batch(i, 4) for i in range(3)]
+    testing.assert_pure(make(False), state, batches[0])
+    testing.assert_donation_safe(make, state, batches)
+
+
+# --- skip_nonfinite ---------------------------------------------------------------------------
+
+
+def _nan_when(flag_key: str = "bad") -> Callable[[nn.Module], ps.step.LossFn]:
+    def factory(net: nn.Module) -> ps.step.LossFn:
+        def loss_fn(p: TensorDictBase, bt: TensorDictBase, key: torch.Tensor) -> Any:
+            loss = ((ps.call(net, p["student"], bt["x"]) - bt["y"]) ** 2).mean()
+            return loss * bt[flag_key].mean(), {}
+
+        return loss_fn
+
+    return factory
+
+
+@settings(max_examples=10, deadline=None)
+@given(pattern=st.lists(st.sampled_from([1.0, float("nan"), float("inf")]), min_size=1, max_size=6))
+def test_nonfinite_steps_leave_params_opt_state_and_ema_unchanged(pattern: list[float]) -> None:
+    """A non-finite loss or grad is a no-op on params/opt_state/ema; step advances; skips are counted."""
+    net = _mlp(0)
+    opt = {"student": optim.adamw(1e-2)}
+    gf = ps.value_and_grad(_nan_when()(net))
+    for order in ("ema_outside", "skip_outside"):
+        base = ps.train_step(gf, opt)
+        step: ps.TrainStep | ps.EMAStep
+        if order == "ema_outside":
+            step = ps.with_ema(ps.skip_nonfinite(base), 0.5, ["student"])
+        else:
+            step = ps.skip_nonfinite(ps.with_ema(base, 0.5, ["student"]))
+        state = step.prepare(ps.init_state({"student": net}, opt, seed=0))
+        total = consecutive = 0
+        for i, flag in enumerate(pattern):
+            b = _batch(i, 4)
+            b["bad"] = torch.full((4,), flag)
+            before = testing.snapshot(state.exclude("step", "skip"))
+            state, metrics = step(state, b)
+            assert int(state["step"]) == i + 1
+            if flag != 1.0:
+                total, consecutive = total + 1, consecutive + 1
+                testing.assert_trees_equal(state.exclude("step", "skip"), before)
+                assert bool(metrics["skipped"])
+            else:
+                consecutive = 0
+                assert not bool(metrics["skipped"])
+            assert int(state["skip", "total"]) == total
+            assert int(state["skip", "consecutive"]) == consecutive
+
+
+def test_too_many_consecutive_nonfinite_steps_raise_naming_the_count() -> None:
+    """max_consecutive=2: the third consecutive skip raises NonFiniteError."""
+    net = _mlp(0)
+    opt = {"student": optim.sgd(0.1)}
+    step = ps.skip_nonfinite(
+        ps.train_step(ps.value_and_grad(_nan_when()(net)), opt), max_consecutive=2
+    )
+    state = step.prepare(ps.init_state({"student": net}, opt, seed=0))
+    b = _batch(0, 4)
+    b["bad"] = torch.full((4,), float("nan"))
+    state, _ = step(state, b)
+    state, _ = step(state, b)
+    with pytest.raises(ps.NonFiniteError, match="3 consecutive"):
+        step(state, b)
+
+
+def test_skip_nonfinite_is_donation_safe() -> None:
+    """donate=True == donate=False through finite and skipped steps."""
+    net = _mlp(0)
+    opt = {"student": optim.adamw(1e-2)}
+    gf = ps.value_and_grad(_nan_when()(net))
+    batches = []
+    for i, flag in enumerate([1.0, float("nan"), 1.0]):
+        b = _batch(i, 4)
+        b["bad"] = torch.full((4,), flag)
+        batches.append(b)
+    testing.assert_donation_safe(
+        lambda d: ps.with_ema(
+            ps.skip_nonfinite(ps.train_step(gf, opt, donate=d)), 0.9, ["student"]
+        ),
+        ps.init_state({"student": net}, opt, seed=0),
+        batches,
+    )
