@@ -30,8 +30,11 @@ from purestep.testing.strategies import (
     states,
     tensors,
 )
+from purestep.testing.workers import WorkerError, WorkerPool
 
 __all__ = [
+    "WorkerError",
+    "WorkerPool",
     "adam_hparams",
     "assert_accumulation_invariant",
     "assert_cadence",

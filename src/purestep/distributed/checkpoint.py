@@ -1,0 +1,913 @@
+"""Atomic, resharding, optionally asynchronous checkpoints of a TensorDict state, on DCP.
+
+A checkpoint is a directory written by :mod:`torch.distributed.checkpoint`
+(DCP) plus a ``metadata.json``. Keys are the state's nested keys joined with
+``.`` (``params.student.fc.weight``), so no key may itself contain a ``.``.
+
+Atomicity: :func:`save` writes into a sibling scratch directory
+``<name>.tmp-<token>``; only after every rank has finished writing does rank 0
+write ``metadata.json`` (with ``"complete": true``), fsync it, and rename the
+scratch directory to ``<name>``. A crash or SIGKILL at any moment therefore
+leaves either the old set of checkpoints or the old set plus the new one, never
+a directory that :func:`is_complete` accepts but that cannot be loaded.
+:func:`latest` and :func:`prune` only consider complete checkpoints.
+
+Resharding: DTensor leaves (e.g. FSDP2-sharded params) are saved with their
+global shapes; :func:`load` into a ``like`` state on a different world size
+(or into plain tensors in a single process) reshards.
+
+Distributed use: with an initialized default process group every rank must call
+:func:`save`, :func:`load` and :func:`load_per_rank` (they are collectives; the
+checkpoint directory must be on a filesystem all ranks share). Their
+collectives run on a dedicated gloo group, created on first use, so an async
+save's background thread never competes with training collectives. Without a
+process group everything runs in one process (DCP's "assuming the intent is
+to save in a single process" warning is filtered: that is the intent).
+
+Per-rank values: DCP saves a plain (non-DTensor) tensor once, as replicated, so
+values that differ by rank (a data loader's position, say) go in
+``save(..., per_rank=td)`` and come back with :func:`load_per_rank`; they are
+stored under ``__rank_<r>__.<key>`` and ignored by :func:`load`.
+
+Async saves: ``save(..., async_=True)`` copies ("stages") every tensor into
+CPU buffers before it returns, so the caller may immediately update the state
+in place (donated steps); the write, ``metadata.json`` and the rename run on a
+background thread (its collectives run on the checkpoint group, so no rank
+needs to call anything for the save to complete). At most one save is in
+flight per process: the next :func:`save`, :func:`load` or :func:`load_per_rank`
+waits for it first, and re-raises its error if it failed. Call
+:meth:`SaveHandle.wait` or :func:`wait_pending` on every rank before exit
+(and before reading the checkpoint) to surface errors. The staging buffers
+are kept and reused by the next async save of the same keys, which avoids
+page faults; :func:`release_staging_buffers` frees them.
+
+Overwriting (``overwrite=True``) moves the old checkpoint to
+``<name>.old-<token>``, renames the new one into place, then deletes the old
+one; if a crash falls between the two renames, :func:`latest` still finds the
+old copy under its ``.old-`` name.
+
+Example:
+    >>> import tempfile, torch
+    >>> from tensordict import TensorDict
+    >>> from purestep.distributed import checkpoint as ckpt
+    >>> state = TensorDict({"params": {"w": torch.ones(2)}, "step": torch.tensor(3)}, [])
+    >>> root = tempfile.mkdtemp()
+    >>> _ = ckpt.save(state, ckpt.step_dir(root, 3))
+    >>> ckpt.latest(root).name
+    'step_00000003'
+    >>> ckpt.load(ckpt.latest(root), like=state)["step"]
+    tensor(3)
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import datetime
+import json
+import os
+import re
+import shutil
+import threading
+import uuid
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal, overload
+
+import torch
+import torch.distributed as dist
+from tensordict import TensorDictBase
+from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+from purestep import tree
+
+__all__ = [
+    "METADATA_FILE",
+    "SaveHandle",
+    "checkpoints",
+    "is_complete",
+    "latest",
+    "load",
+    "load_per_rank",
+    "prune",
+    "read_metadata",
+    "release_staging_buffers",
+    "save",
+    "step_dir",
+    "wait_pending",
+]
+
+METADATA_FILE = "metadata.json"
+"""Name of the file that marks a directory as a complete purestep checkpoint."""
+
+_FORMAT = "purestep.checkpoint"
+_FORMAT_VERSION = 1
+_TMP = ".tmp-"
+_OLD = ".old-"
+_DEL = ".del-"
+_RANK_PREFIX = "__rank_"
+_RANK_KEY = re.compile(r"^__rank_(\d+)__\.(.+)$")
+_NO_DIST_WARNING = r"torch\.distributed is disabled, unavailable or uninitialized"
+
+
+# -- names and metadata ------------------------------------------------------------------------
+
+
+def step_dir(root: str | os.PathLike[str], step: int) -> Path:
+    """The conventional checkpoint directory for ``step``: ``root/step_00000100``.
+
+    Zero-padded so that names sort like steps.
+
+    Example:
+        >>> step_dir("/ckpt", 100).as_posix()
+        '/ckpt/step_00000100'
+    """
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    return Path(root) / f"step_{step:08d}"
+
+
+def _is_scratch(name: str) -> bool:
+    return _TMP in name or _OLD in name or _DEL in name
+
+
+def read_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The parsed ``metadata.json`` of the complete checkpoint at ``path``.
+
+    Raises:
+        FileNotFoundError: ``path`` has no ``metadata.json`` (not a checkpoint,
+            or one whose save never finished).
+        ValueError: the file is not a complete purestep checkpoint's metadata.
+
+    Example:
+        >>> import tempfile
+        >>> try:
+        ...     read_metadata(tempfile.mkdtemp())
+        ... except FileNotFoundError as e:
+        ...     print(str(e).split(":")[0])
+        not a purestep checkpoint
+    """
+    p = Path(path)
+    f = p / METADATA_FILE
+    if not f.is_file():
+        raise FileNotFoundError(f"not a purestep checkpoint: {p} (no {METADATA_FILE})")
+    try:
+        md = json.loads(f.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"not a purestep checkpoint: {p} (unreadable {METADATA_FILE}: {e})") from e
+    if not isinstance(md, dict) or md.get("format") != _FORMAT:
+        raise ValueError(f"not a purestep checkpoint: {p} ({METADATA_FILE} has no purestep format)")
+    if md.get("complete") is not True:
+        raise ValueError(f"incomplete purestep checkpoint: {p} ({METADATA_FILE} lacks the marker)")
+    return md
+
+
+def is_complete(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is a finished checkpoint (valid metadata, not a scratch name).
+
+    Example:
+        >>> import tempfile
+        >>> is_complete(tempfile.mkdtemp())
+        False
+    """
+    p = Path(path)
+    if _is_scratch(p.name) or not p.is_dir():
+        return False
+    try:
+        read_metadata(p)
+    except (OSError, ValueError):
+        return False
+    return True
+
+
+def _candidates(root: Path) -> list[tuple[int, str, Path]]:
+    """Complete checkpoints under ``root`` as ``(step, name, path)``, oldest first.
+
+    Also accepts ``<name>.old-<token>`` when ``<name>`` is gone: an overwriting
+    save killed between its two renames leaves the replaced checkpoint there.
+    """
+    if not root.is_dir():
+        return []
+    out: list[tuple[int, str, Path]] = []
+    for p in root.iterdir():
+        name = p.name
+        if _OLD in name and _TMP not in name and _DEL not in name:
+            base = name.split(_OLD)[0]
+            if (root / base).exists():
+                continue
+            name = base
+        elif _is_scratch(name):
+            continue
+        try:
+            md = read_metadata(p)
+        except (OSError, ValueError):
+            continue
+        step = md.get("step")
+        out.append((step if isinstance(step, int) else -1, name, p))
+    out.sort(key=lambda c: (c[0], c[1]))
+    return out
+
+
+def checkpoints(root: str | os.PathLike[str]) -> list[Path]:
+    """All complete checkpoints directly under ``root``, oldest first (by step, then name).
+
+    Example:
+        >>> import tempfile
+        >>> checkpoints(tempfile.mkdtemp())
+        []
+    """
+    return [p for _, _, p in _candidates(Path(root))]
+
+
+def latest(root: str | os.PathLike[str]) -> Path | None:
+    """The newest complete checkpoint directly under ``root`` (highest step, ties by name).
+
+    Scratch directories of unfinished saves and directories without a valid
+    ``metadata.json`` are ignored. ``None`` if there is none (or no ``root``).
+
+    Example:
+        >>> import tempfile
+        >>> latest(tempfile.mkdtemp()) is None
+        True
+    """
+    cands = _candidates(Path(root))
+    return cands[-1][2] if cands else None
+
+
+def prune(root: str | os.PathLike[str], keep_last: int) -> list[Path]:
+    """Delete all but the newest ``keep_last`` complete checkpoints, and stale scratch dirs.
+
+    A scratch directory (``*.tmp-*``, ``*.old-*``, ``*.del-*``) is stale unless it belongs to
+    a save that is still in flight in *this* process (an async save not yet
+    finished); so do not run two jobs that save into the same ``root``.
+    Directories that are neither checkpoints nor scratch are left alone; a
+    checkpoint is renamed to a scratch name before it is deleted, so an
+    interrupted prune never leaves a half-deleted directory that looks
+    complete. Safe
+    to call from every rank (losing a race to delete is ignored), but calling
+    it from one rank is enough. Returns the removed paths.
+
+    Example:
+        >>> import tempfile
+        >>> prune(tempfile.mkdtemp(), keep_last=2)
+        []
+    """
+    if keep_last < 0:
+        raise ValueError(f"keep_last must be >= 0, got {keep_last}")
+    r = Path(root)
+    cands = _candidates(r)
+    keep = {p for _, _, p in cands[max(0, len(cands) - keep_last) :]} if keep_last else set()
+    busy = _busy_scratch()
+    doomed = [p for _, _, p in cands if p not in keep]
+    if r.is_dir():
+        doomed += [
+            p
+            for p in r.iterdir()
+            if _is_scratch(p.name)
+            and p not in keep
+            and p.absolute() not in busy
+            and p not in doomed
+        ]
+    removed = []
+    for p in sorted(doomed):
+        if _remove(p):
+            removed.append(p)
+    return removed
+
+
+def _remove(p: Path) -> bool:
+    """Delete a directory so that no moment of the deletion looks like a complete checkpoint.
+
+    A checkpoint is first renamed to a scratch name (atomic), then deleted.
+    Returns whether this call removed it (``False`` if someone else did).
+    """
+    target = p
+    if not _is_scratch(p.name) or _OLD in p.name:
+        target = p.with_name(f"{p.name}{_DEL}{uuid.uuid4().hex[:12]}")
+        try:
+            os.rename(p, target)
+        except FileNotFoundError:
+            return False
+    shutil.rmtree(target, ignore_errors=True)
+    return not p.exists()
+
+
+# -- flattening ----------------------------------------------------------------------------
+
+
+def _flatten(td: TensorDictBase, what: str, prefix: str = "") -> dict[str, torch.Tensor]:
+    """``{"a.b.c": tensor}`` in leaf order; errors name every bad key at once."""
+    out: dict[str, torch.Tensor] = {}
+    dotted: list[str] = []
+    reserved: list[str] = []
+    not_tensor: list[str] = []
+    for key, value in td.items(include_nested=True, leaves_only=True):
+        parts = (key,) if isinstance(key, str) else tuple(key)
+        name = ".".join(parts)
+        if any("." in part for part in parts):
+            dotted.append(repr(parts))
+        elif not prefix and parts[0].startswith(_RANK_PREFIX):
+            reserved.append(name)
+        elif not isinstance(value, torch.Tensor):
+            not_tensor.append(f"{name} ({type(value).__name__})")
+        else:
+            out[prefix + name] = value
+    problems = []
+    if dotted:
+        problems.append(
+            "keys containing '.' (checkpoints join nested keys with '.', so these would not "
+            "round-trip; nest them instead): " + ", ".join(dotted)
+        )
+    if reserved:
+        problems.append(
+            f"top-level keys starting with {_RANK_PREFIX!r} are reserved for per_rank values: "
+            + ", ".join(reserved)
+        )
+    if not_tensor:
+        problems.append("non-tensor leaves: " + ", ".join(not_tensor))
+    if problems:
+        raise ValueError(f"cannot checkpoint {what}: " + "; ".join(problems))
+    return out
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _describe(flat: Mapping[str, torch.Tensor]) -> dict[str, dict[str, Any]]:
+    return {k: {"shape": list(v.shape), "dtype": _dtype_name(v.dtype)} for k, v in flat.items()}
+
+
+def _mismatch_message(
+    path: Path, expected: Mapping[str, Any], found: Mapping[str, dict[str, Any]], what: str
+) -> str | None:
+    """One message listing every missing, unexpected and mis-shaped key, or ``None``."""
+    missing = [k for k in found if k not in expected]
+    unexpected = [k for k in expected if k not in found]
+    wrong = []
+    for k, f in found.items():
+        e = expected.get(k)
+        if e is not None and (list(e["shape"]) != f["shape"] or e["dtype"] != f["dtype"]):
+            wrong.append(
+                f"{k}: checkpoint has {tuple(e['shape'])} {e['dtype']}, "
+                f"like has {tuple(f['shape'])} {f['dtype']}"
+            )
+    if not (missing or unexpected or wrong):
+        return None
+    lines = [f"checkpoint {path} does not match `like` ({what}):"]
+    if missing:
+        lines.append("  missing from the checkpoint (in like only): " + ", ".join(missing))
+    if unexpected:
+        lines.append("  unexpected in the checkpoint (not in like): " + ", ".join(unexpected))
+    if wrong:
+        lines.append("  mismatched shape or dtype: " + "; ".join(wrong))
+    return "\n".join(lines)
+
+
+# -- process groups ------------------------------------------------------------------------
+
+_group_lock = threading.Lock()
+_group_cache: tuple[Any, Any] | None = None  # (default group, checkpoint group)
+
+
+def _group() -> Any:
+    """The dedicated gloo group for checkpoint collectives, or ``None`` without a default group."""
+    global _group_cache
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    world = dist.group.WORLD
+    with _group_lock:
+        if _group_cache is None or _group_cache[0] is not world:
+            _group_cache = (world, dist.new_group(backend="gloo"))
+        return _group_cache[1]
+
+
+def _rank(group: Any) -> int:
+    return 0 if group is None else dist.get_rank()
+
+
+def _world(group: Any) -> int:
+    return 1 if group is None else dist.get_world_size()
+
+
+def _gather(group: Any, value: Any) -> list[Any]:
+    """``value`` from every rank, in rank order (``[value]`` without a group)."""
+    if group is None:
+        return [value]
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, value, group=group)
+    return out
+
+
+_ERRORS: dict[str, type[Exception]] = {
+    "FileExistsError": FileExistsError,
+    "FileNotFoundError": FileNotFoundError,
+    "RuntimeError": RuntimeError,
+    "ValueError": ValueError,
+}
+
+
+def _raise_agreed(group: Any, problem: Exception | None) -> None:
+    """Raise the lowest rank's problem on every rank (so all fail together instead of hanging).
+
+    One collective with a process group; without one, just raises ``problem``.
+    """
+    if group is None:
+        if problem is not None:
+            raise problem
+        return
+    local = None if problem is None else (type(problem).__name__, str(problem))
+    for r, found in enumerate(_gather(group, local)):
+        if found is not None:
+            if r == _rank(group) and problem is not None:
+                raise problem
+            name, msg = found
+            raise _ERRORS.get(name, RuntimeError)(f"(on rank {r}) {msg}")
+
+
+def _quiet_no_dist() -> None:
+    """Silence DCP's 'assuming a single process' warning: purestep decides that explicitly."""
+    for f in warnings.filters:
+        if f[0] == "ignore" and f[1] is not None and f[1].pattern == _NO_DIST_WARNING:
+            return
+    warnings.filterwarnings("ignore", message=_NO_DIST_WARNING, category=UserWarning)
+
+
+# -- async machinery -----------------------------------------------------------------------
+
+_pending_lock = threading.Lock()
+_pending: SaveHandle | None = None
+_executor: concurrent.futures.ThreadPoolExecutor | None = None
+_staging: dict[str, torch.Tensor] = {}
+
+
+class SaveHandle:
+    """The in-flight part of an async :func:`save`: write, ``metadata.json``, rename.
+
+    Invariant: the state's tensors were copied (staged) before the handle was
+    returned, so the caller may overwrite them; the checkpoint at :attr:`path`
+    is complete once :meth:`wait` returns on any rank.
+
+    Example:
+        >>> import tempfile, torch
+        >>> from tensordict import TensorDict
+        >>> h = save(TensorDict({"x": torch.ones(1)}, []), tempfile.mkdtemp() + "/c", async_=True)
+        >>> h.wait().name
+        'c'
+    """
+
+    def __init__(
+        self,
+        future: concurrent.futures.Future[Path],
+        path: Path,
+        *,
+        scratch: tuple[Path, ...] = (),
+    ) -> None:
+        self._future = future
+        self.path = path
+        self._scratch = scratch
+
+    def done(self) -> bool:
+        """Whether the background save has finished (successfully or not).
+
+        Example:
+            >>> import tempfile, torch
+            >>> from tensordict import TensorDict
+            >>> h = save(TensorDict({"x": torch.ones(1)}, []), tempfile.mkdtemp() + "/c", async_=True)
+            >>> _ = h.wait(); h.done()
+            True
+        """
+        return self._future.done()
+
+    def wait(self, timeout: float | None = None) -> Path:
+        """Block until the checkpoint is complete; re-raise a failure of the save.
+
+        Example:
+            >>> import tempfile, torch
+            >>> from tensordict import TensorDict
+            >>> h = save(TensorDict({"x": torch.ones(1)}, []), tempfile.mkdtemp() + "/c", async_=True)
+            >>> h.wait().name
+            'c'
+        """
+        global _pending
+        try:
+            return self._future.result(timeout)
+        finally:
+            if self._future.done():
+                with _pending_lock:
+                    if _pending is self:
+                        _pending = None
+
+
+def wait_pending() -> None:
+    """Wait for the in-flight async save of this process, if any (re-raising its failure).
+
+    Staging finishes before :func:`save` returns, so donated in-place updates
+    need not call this; call it before exit, or before reading a checkpoint
+    that may still be in flight.
+
+    Example:
+        >>> wait_pending()
+    """
+    with _pending_lock:
+        handle = _pending
+    if handle is not None:
+        handle.wait()
+
+
+def release_staging_buffers() -> None:
+    """Free the CPU staging buffers that async saves keep for reuse (after waiting for them).
+
+    Example:
+        >>> release_staging_buffers()
+    """
+    wait_pending()
+    _staging.clear()
+
+
+def _busy_scratch() -> set[Path]:
+    with _pending_lock:
+        handle = _pending
+    if handle is None or handle.done():
+        return set()
+    return set(handle._scratch)
+
+
+def _stage(flat: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Copy every tensor (the local shard of a DTensor) into a reusable CPU buffer."""
+    from torch.distributed.tensor import DTensor
+
+    out: dict[str, torch.Tensor] = {}
+    for k, t in flat.items():
+        src = t.to_local() if isinstance(t, DTensor) else t
+        buf = _staging.get(k)
+        if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
+            buf = torch.empty(src.shape, dtype=src.dtype, device="cpu")
+            _staging[k] = buf
+        with torch.no_grad():
+            buf.copy_(src.detach())
+        if isinstance(t, DTensor):
+            out[k] = DTensor.from_local(
+                buf, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride()
+            )
+        else:
+            out[k] = buf
+    for k in [k for k in _staging if k not in flat]:
+        del _staging[k]
+    return out
+
+
+# -- save ----------------------------------------------------------------------------------
+
+
+def _fsync_dir(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _target_error(path: Path, overwrite: bool) -> str | None:
+    if not path.exists():
+        return None
+    if not is_complete(path):
+        return (
+            f"{path} exists and is not a complete purestep checkpoint; remove it or save elsewhere"
+        )
+    if not overwrite:
+        return f"checkpoint already exists at {path}; pass overwrite=True to replace it"
+    return None
+
+
+def _write_metadata(
+    tmp: Path, dcp_md: Any, world_size: int, step: int | None, user: Mapping[str, Any] | None
+) -> None:
+    import purestep
+
+    keys: dict[str, dict[str, Any]] = {}
+    per_rank: dict[str, dict[str, dict[str, Any]]] = {}
+    for fqn, item in dcp_md.state_dict_metadata.items():
+        desc = {"shape": list(item.size), "dtype": _dtype_name(item.properties.dtype)}
+        m = _RANK_KEY.match(fqn)
+        if m:
+            per_rank.setdefault(m.group(1), {})[m.group(2)] = desc
+        else:
+            keys[fqn] = desc
+    md = {
+        "format": _FORMAT,
+        "format_version": _FORMAT_VERSION,
+        "step": step,
+        "world_size": world_size,
+        "purestep_version": purestep.__version__,
+        "torch_version": torch.__version__,
+        "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "keys": keys,
+        "per_rank_keys": dict(sorted(per_rank.items(), key=lambda kv: int(kv[0]))),
+        "metadata": dict(user or {}),
+        "complete": True,
+    }
+    f = tmp / METADATA_FILE
+    with open(f, "w") as fh:
+        json.dump(md, fh, indent=1)
+        fh.flush()
+        os.fsync(fh.fileno())
+    _fsync_dir(tmp)
+
+
+def _publish(tmp: Path, path: Path, token: str) -> None:
+    """Rename the finished scratch dir into place (moving an old checkpoint aside first)."""
+    old = None
+    if path.exists():
+        old = path.with_name(f"{path.name}{_OLD}{token}")
+        os.rename(path, old)
+    os.rename(tmp, path)
+    _fsync_dir(path.parent)
+    if old is not None:
+        _remove(old)
+
+
+def _write(
+    flat: dict[str, torch.Tensor],
+    tmp: Path,
+    path: Path,
+    token: str,
+    group: Any,
+    step: int | None,
+    user: Mapping[str, Any] | None,
+) -> Path:
+    """DCP-write ``flat`` to ``tmp``; rank 0 adds metadata and renames; all ranks agree."""
+    rank0 = _rank(group) == 0
+    problem: Exception | None = None
+    try:
+        _quiet_no_dist()
+        dcp_md = dcp_save(
+            flat,
+            storage_writer=FileSystemWriter(tmp),
+            process_group=group,
+            no_dist=group is None,
+        )
+        if rank0:
+            _write_metadata(tmp, dcp_md, _world(group), step, user)
+            _publish(tmp, path, token)
+    except Exception as e:
+        problem = e
+    try:
+        _raise_agreed(group, problem)
+    except Exception:
+        if rank0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return path
+
+
+def _step_of(state: TensorDictBase) -> int | None:
+    s = state.get("step", None)
+    if isinstance(s, torch.Tensor) and s.numel() == 1 and not s.dtype.is_floating_point:
+        return int(s.item())
+    return None
+
+
+@overload
+def save(
+    state: TensorDictBase,
+    path: str | os.PathLike[str],
+    *,
+    async_: Literal[False] = ...,
+    metadata: Mapping[str, Any] | None = ...,
+    per_rank: TensorDictBase | None = ...,
+    overwrite: bool = ...,
+) -> None: ...
+
+
+@overload
+def save(
+    state: TensorDictBase,
+    path: str | os.PathLike[str],
+    *,
+    async_: Literal[True],
+    metadata: Mapping[str, Any] | None = ...,
+    per_rank: TensorDictBase | None = ...,
+    overwrite: bool = ...,
+) -> SaveHandle: ...
+
+
+@overload
+def save(
+    state: TensorDictBase,
+    path: str | os.PathLike[str],
+    *,
+    async_: bool,
+    metadata: Mapping[str, Any] | None = ...,
+    per_rank: TensorDictBase | None = ...,
+    overwrite: bool = ...,
+) -> SaveHandle | None: ...
+
+
+def save(
+    state: TensorDictBase,
+    path: str | os.PathLike[str],
+    *,
+    async_: bool = False,
+    metadata: Mapping[str, Any] | None = None,
+    per_rank: TensorDictBase | None = None,
+    overwrite: bool = False,
+) -> SaveHandle | None:
+    """Save ``state`` atomically as a DCP checkpoint directory at ``path``.
+
+    With a process group, every rank must call this with the same ``path``
+    and key structure (a collective). ``state`` is never modified.
+
+    Args:
+        state: the tensors to save; nested keys are joined with ``.``.
+        path: the checkpoint directory to create (parents are created).
+        async_: stage the tensors into CPU buffers, return a :class:`SaveHandle`
+            and write in a background thread. The state may be modified as
+            soon as this returns.
+        metadata: extra JSON-serialisable values stored under ``"metadata"``
+            in ``metadata.json`` (rank 0's are written).
+        per_rank: this rank's own tensors (different on each rank), restored
+            with :func:`load_per_rank`.
+        overwrite: replace an existing complete checkpoint at ``path``
+            (otherwise :class:`FileExistsError`).
+
+    Returns:
+        ``None`` for a synchronous save (the checkpoint is complete on return);
+        a :class:`SaveHandle` for an async one.
+
+    Example:
+        >>> import tempfile, torch
+        >>> from tensordict import TensorDict
+        >>> state = TensorDict({"w": torch.ones(2), "step": torch.tensor(7)}, [])
+        >>> d = tempfile.mkdtemp() + "/ckpt"
+        >>> save(state, d, metadata={"note": "hi"})
+        >>> read_metadata(d)["step"], read_metadata(d)["metadata"]
+        (7, {'note': 'hi'})
+    """
+    wait_pending()
+    target = Path(path).absolute()
+    group = _group()
+    rank = _rank(group)
+    problem: Exception | None = None
+    flat: dict[str, torch.Tensor] = {}
+    try:
+        flat = _flatten(state, "state")
+        if per_rank is not None:
+            flat.update(_flatten(per_rank, "per_rank", prefix=f"{_RANK_PREFIX}{rank}__."))
+        if metadata is not None:
+            json.dumps(dict(metadata))
+    except ValueError as e:
+        problem = e
+    except TypeError as e:
+        problem = ValueError(f"metadata is not JSON-serialisable: {e}")
+    if problem is None and rank == 0:
+        msg = _target_error(target, overwrite)
+        problem = None if msg is None else FileExistsError(msg)
+    _raise_agreed(group, problem)
+    # rank 0 names the scratch directory; every rank writes its part into the same one
+    token = _gather(group, uuid.uuid4().hex[:12])[0]
+    tmp = target.with_name(f"{target.name}{_TMP}{token}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    step = _step_of(state)
+    meta = dict(metadata) if metadata is not None else None
+    if not async_:
+        _write(flat, tmp, target, token, group, step, meta)
+        return None
+
+    global _pending, _executor
+    staged = _stage(flat)
+    if _executor is None:
+        _executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="purestep-ckpt")
+    future = _executor.submit(_write, staged, tmp, target, token, group, step, meta)
+    handle = SaveHandle(
+        future, target, scratch=(tmp, target.with_name(f"{target.name}{_OLD}{token}"))
+    )
+    with _pending_lock:
+        _pending = handle
+    return handle
+
+
+# -- load ----------------------------------------------------------------------------------
+
+
+def _load_flat(
+    group: Any,
+    path: Path,
+    flat_like: dict[str, torch.Tensor],
+    donate: bool,
+) -> dict[str, torch.Tensor]:
+    dst = flat_like if donate else {k: torch.empty_like(v) for k, v in flat_like.items()}
+    if dst:
+        _quiet_no_dist()
+        with torch.no_grad():
+            dcp_load(
+                dst,
+                storage_reader=FileSystemReader(path),
+                process_group=group,
+                no_dist=group is None,
+            )
+    return dst
+
+
+def load(
+    path: str | os.PathLike[str], *, like: TensorDictBase, donate: bool = False
+) -> TensorDictBase:
+    """Load the checkpoint at ``path`` into a state shaped like ``like``.
+
+    ``like`` gives the keys, global shapes, dtypes, devices and shardings
+    (DTensor placements) to load into; the checkpoint may have been saved on a
+    different world size (it is resharded). Missing, unexpected and
+    mis-shaped (or mis-typed) keys are all listed in one ``ValueError``;
+    per-rank values are ignored (see :func:`load_per_rank`). With a process
+    group, every rank raises together.
+
+    Args:
+        path: a complete checkpoint directory.
+        like: a template state (e.g. the freshly initialised one).
+        donate: load in place into ``like``'s own tensors and return ``like``.
+            Needed when the state's params alias module parameters (an FSDP
+            bound state), which must keep their identity. Without it ``like``
+            is not modified and the result has fresh tensors
+            (``torch.empty_like`` of each leaf, so the same placements).
+
+    Example:
+        >>> import tempfile, torch
+        >>> from tensordict import TensorDict
+        >>> state = TensorDict({"w": torch.arange(3.0)}, [])
+        >>> d = tempfile.mkdtemp() + "/ckpt"
+        >>> save(state, d)
+        >>> load(d, like=state.apply(torch.zeros_like))["w"]
+        tensor([0., 1., 2.])
+    """
+    wait_pending()
+    p = Path(path)
+    group = _group()
+    problem: Exception | None = None
+    flat_like: dict[str, torch.Tensor] = {}
+    try:
+        md = read_metadata(p)
+        flat_like = _flatten(like, "like")
+        msg = _mismatch_message(p, md["keys"], _describe(flat_like), "state")
+        problem = None if msg is None else ValueError(msg)
+    except (OSError, ValueError) as e:
+        problem = e
+    _raise_agreed(group, problem)
+    dst = _load_flat(group, p, flat_like, donate)
+    if donate:
+        return like
+    return tree.rebuild(like, list(dst.values()))
+
+
+def load_per_rank(
+    path: str | os.PathLike[str],
+    *,
+    like: TensorDictBase,
+    donate: bool = False,
+) -> TensorDictBase:
+    """Load this rank's ``per_rank`` values saved by :func:`save`.
+
+    Per-rank values do not reshard: the checkpoint must have been saved with
+    the current world size, or ``ValueError`` is raised on every rank (a
+    caller can catch it and fall back, e.g. restart its data order).
+    ``donate`` as in :func:`load`.
+
+    Example:
+        >>> import tempfile, torch
+        >>> from tensordict import TensorDict
+        >>> d = tempfile.mkdtemp() + "/ckpt"
+        >>> pos = TensorDict({"data_pos": torch.tensor(17)}, [])
+        >>> save(TensorDict({"w": torch.ones(1)}, []), d, per_rank=pos)
+        >>> load_per_rank(d, like=pos.apply(torch.zeros_like))["data_pos"]
+        tensor(17)
+    """
+    wait_pending()
+    p = Path(path)
+    group = _group()
+    rank, world = _rank(group), _world(group)
+    prefix = f"{_RANK_PREFIX}{rank}__."
+    problem: Exception | None = None
+    flat_like: dict[str, torch.Tensor] = {}
+    try:
+        md = read_metadata(p)
+        flat_like = _flatten(like, "like")
+        if md.get("world_size") != world:
+            problem = ValueError(
+                f"checkpoint {p} holds per-rank values of world size {md.get('world_size')}; "
+                f"they cannot be loaded on world size {world}"
+            )
+        else:
+            expected = md.get("per_rank_keys", {}).get(str(rank), {})
+            what = f"per-rank values of rank {rank}"
+            msg = _mismatch_message(p, expected, _describe(flat_like), what)
+            problem = None if msg is None else ValueError(msg)
+    except (OSError, ValueError) as e:
+        problem = e
+    _raise_agreed(group, problem)
+    dst = _load_flat(group, p, {prefix + k: v for k, v in flat_like.items()}, donate)
+    if donate:
+        return like
+    return tree.rebuild(like, list(dst.values()))
