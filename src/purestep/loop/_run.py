@@ -1,0 +1,354 @@
+"""``run``: the reference loop around a step function (see :mod:`purestep.loop`)."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import re
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, cast
+
+from tensordict import TensorDict, TensorDictBase
+
+from purestep.distributed import checkpoint as ckpt
+from purestep.loop._checkpointing import LOOP_KEY, probe_writable, restore, resume_source, save
+from purestep.loop._checkpointing import rank as _rank
+from purestep.loop._data import DataStream
+from purestep.loop._metrics import MetricBuffer
+from purestep.loop._signals import StopSignal
+from purestep.loop._sinks import Sink, check_sinks, make_sinks
+from purestep.step import as_batch
+
+__all__ = ["LOOP_KEY", "BatchKeyError", "Preempted", "run"]
+
+StepLike = Callable[[TensorDictBase, Any], tuple[TensorDictBase, Any]]
+EvalFn = Callable[[TensorDictBase], Mapping[str, Any] | TensorDictBase]
+
+
+class Preempted(SystemExit):
+    """Raised by :func:`run` after SIGTERM or SIGINT, once the checkpoint is saved.
+
+    A ``SystemExit`` with code ``128 + signum`` (143 for SIGTERM, 130 for SIGINT):
+    left uncaught, the process exits with that status and no traceback; code
+    after ``run`` (an export of the unfinished model, say) does not run by
+    accident, and ``except Exception`` does not swallow it.
+
+    Attributes:
+        state: the training state at the stop (without the loop's keys).
+        step: ``int(state["step"])``.
+        signum: the signal received.
+        checkpoint: the checkpoint written at ``step``, or ``None`` without a
+            ``checkpoint_dir``.
+
+    Example:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> e = Preempted(TensorDict({"step": torch.tensor(7)}, []), 15, None)
+        >>> e.code, e.step
+        (143, 7)
+    """
+
+    def __init__(self, state: TensorDictBase, signum: int, checkpoint: Path | None) -> None:
+        super().__init__(128 + signum)
+        self.state = state
+        self.step = int(state.get("step"))
+        self.signum = signum
+        self.checkpoint = checkpoint
+
+
+class BatchKeyError(KeyError):
+    """A step read a key that the batch does not have (the message names it).
+
+    Example:
+        >>> str(BatchKeyError("the batch has no key 'y'"))
+        "the batch has no key 'y'"
+    """
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+def _check_int(name: str, value: Any, minimum: int, *, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"run: {name} must be an int >= {minimum}, got {value!r}")
+
+
+_TD_MISSING = re.compile(r'key "(.+?)" not found in \w+ with keys \[(.*)\]', re.S)
+
+
+def _key_sets(td: TensorDictBase) -> list[set[str]]:
+    out = [set(td.keys())]
+    for k in td.keys():
+        v = td.get(k)
+        if isinstance(v, TensorDictBase):
+            out += _key_sets(v)
+    return out
+
+
+def _missing_batch_key(err: KeyError, batch: TensorDictBase) -> str | None:
+    """The key named by a TensorDict KeyError raised on ``batch`` (or a split of it)."""
+    msg = err.args[0] if err.args else None
+    m = _TD_MISSING.search(msg) if isinstance(msg, str) else None
+    if m is None:
+        return None
+    listed = set(re.findall(r"'([^']*)'", m.group(2)))
+    for keys in _key_sets(batch):
+        if listed in (keys, keys | {"index"}):
+            return m.group(1)
+    return None
+
+
+def _call(step: StepLike, state: TensorDictBase, batch: TensorDictBase, s: int) -> Any:
+    try:
+        out = step(state, batch)
+    except KeyError as e:
+        key = _missing_batch_key(e, batch)
+        if key is None:
+            raise
+        raise BatchKeyError(
+            f"run: the batch for step {s} has no key {key!r}, which the step reads "
+            f"(batch keys: {sorted(batch.keys())})"
+        ) from e
+    if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], TensorDictBase)):
+        raise TypeError(
+            f"run: the step returned {type(out).__name__}; expected (state, metrics) with "
+            "state a TensorDict"
+        )
+    return out
+
+
+def _to_batch(raw: Any, s: int) -> TensorDictBase:
+    try:
+        return as_batch(raw)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"run: the batch for step {s}: {e}") from e
+
+
+def _crossed(prev: int, new: int, every: int) -> bool:
+    return new // every > prev // every
+
+
+def _progress_bar(enabled: bool, start: int, total: int) -> Any:
+    if not enabled:
+        return None
+    try:
+        tqdm = importlib.import_module("tqdm.auto").tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, initial=start, desc="train", dynamic_ncols=True)
+
+
+def _short(record: Mapping[str, float]) -> dict[str, str]:
+    return {k: f"{v:.4g}" for k, v in list(record.items())[:6]}
+
+
+def _evaluate(eval_fn: EvalFn, state: TensorDictBase) -> dict[str, float]:
+    out = eval_fn(state)
+    if not isinstance(out, (Mapping, TensorDictBase)):
+        raise TypeError(f"run: eval_fn returned {type(out).__name__}; expected a dict of metrics")
+    buf = MetricBuffer()
+    buf.add(out)
+    return {f"eval/{k}": v for k, v in buf.pop().items()}
+
+
+def run(
+    step: StepLike,
+    state: TensorDictBase,
+    data: Iterable[Any],
+    *,
+    num_steps: int,
+    checkpoint_dir: str | os.PathLike[str] | None = None,
+    save_every: int | None = None,
+    keep_last: int = 3,
+    resume: str | os.PathLike[str] | None = "latest",
+    log_every: int = 1,
+    sinks: Sequence[str | Sink] | str | Sink = ("jsonl",),
+    eval_fn: EvalFn | None = None,
+    eval_every: int | None = None,
+    progress: bool = True,
+) -> TensorDict:
+    """Train ``state`` with ``step`` until ``state["step"] == num_steps``; returns the final state.
+
+    Args:
+        step: ``step(state, batch) -> (state, metrics)``; its ``prepare(state)``,
+            when present, runs first (so the state's structure is fixed before a
+            checkpoint is loaded into it).
+        state: the initial state (ignored, but for its structure, when resuming).
+        data: an iterable of batches (TensorDicts or dicts of tensors, converted
+            with :func:`purestep.step.as_batch`); re-iterated when exhausted.
+        num_steps: the target value of ``state["step"]`` (a resumed run does only
+            the remaining steps).
+        checkpoint_dir: where checkpoints (``step_XXXXXXXX/``) and the named
+            sinks' files go. ``None``: no checkpoints and no metric files.
+        save_every: save every this many steps (and at the last step, and on
+            preemption); ``None``: only at the last step and on preemption.
+        keep_last: keep this many newest checkpoints (older ones are pruned).
+        resume: ``"latest"``: continue from the newest complete checkpoint in
+            ``checkpoint_dir`` (from scratch if there is none); a path: from that
+            checkpoint; ``None``: from scratch (an error if ``checkpoint_dir``
+            already holds checkpoints).
+        log_every: a log point every this many steps, and also at every
+            checkpoint, the last step and a preemption.
+        sinks: ``"jsonl"`` (``checkpoint_dir/metrics.jsonl``), ``"csv"``
+            (``metrics.csv``), ``"tensorboard"`` (``tensorboard/``), or callables
+            ``(step, metrics: dict[str, float]) -> None`` such as
+            :class:`JSONLSink` (any path). Only rank 0 calls them.
+        eval_fn: ``eval_fn(state) -> dict`` of scalars, logged as ``eval/<name>``.
+            Runs on every rank (it may use collectives).
+        eval_every: run ``eval_fn`` every this many steps (``None``: at the last
+            step only).
+        progress: show a tqdm progress bar on rank 0 (if tqdm is installed).
+
+    Metrics: a step's metrics stay on device until a log point; the record then
+    holds each metric's mean over the steps since the previous log point that
+    reported it (one host read per device), keyed ``"a/b"`` for nested keys, and
+    ``eval/...`` for ``eval_fn``'s, under the log point's step. A step has at
+    most one record.
+
+    Replayed steps: on start, file sinks drop every record with a step greater
+    than the step resumed from (0 for a fresh start). Records are written before
+    the checkpoint of their step, so after any crash and a ``resume="latest"``
+    restart every step appears in the log once.
+
+    Checkpoints: :func:`purestep.checkpoint.save` of the state plus
+    ``loop.batches_consumed``, with per-rank values ``loop.epoch``,
+    ``loop.position`` (batches into the current pass) and, when ``data`` has
+    ``state_dict()``/``load_state_dict()``, ``loop.data_state`` (its state as
+    ``torch.save`` bytes). On resume the data is restored to that position (by
+    its ``load_state_dict``, or by skipping batches of a fresh pass), so the run
+    sees the batches an uninterrupted run would have seen, provided that
+    iterating ``data`` is deterministic given the pass number (``set_epoch(n)``
+    is called on ``data`` or ``data.sampler`` before pass ``n``). A checkpoint
+    without the loop's keys (saved by hand) resumes with ``state["step"]``
+    batches skipped. The returned state has no loop keys.
+
+    Preemption: the first SIGTERM or SIGINT finishes the current step, writes
+    its log record, saves a checkpoint at that step (if ``checkpoint_dir``) and
+    raises :class:`Preempted` (a ``SystemExit``). A second signal acts at once.
+
+    Raises:
+        ValueError: a bad argument, a ``resume`` path that is not a checkpoint,
+            a checkpoint whose keys do not match the state (all listed), data
+            that yields no batches.
+        OSError: ``checkpoint_dir`` is not writable.
+        BatchKeyError: the step read a key the batch does not have (named).
+        Preempted: on SIGTERM / SIGINT.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> import purestep as ps
+        >>> from purestep import loop
+        >>> net = nn.Linear(2, 1)
+        >>> loss = lambda p, b, k: ((ps.call(net, p["m"], b["x"]) - b["y"]) ** 2).mean()
+        >>> opt = {"m": ps.optim.sgd(lr=0.1)}
+        >>> step = ps.train_step(ps.value_and_grad(lambda p, b, k: (loss(p, b, k), {})), opt)
+        >>> data = [{"x": torch.ones(4, 2), "y": torch.zeros(4, 1)}] * 3
+        >>> state = loop.run(step, ps.init_state({"m": net}, opt, seed=0), data, num_steps=5,
+        ...                  progress=False)
+        >>> int(state["step"])
+        5
+    """
+    _check_int("num_steps", num_steps, 1)
+    _check_int("save_every", save_every, 1, optional=True)
+    _check_int("keep_last", keep_last, 1)
+    _check_int("log_every", log_every, 1)
+    _check_int("eval_every", eval_every, 1, optional=True)
+    if save_every is not None and checkpoint_dir is None:
+        raise ValueError("run: save_every needs a checkpoint_dir")
+    if eval_every is not None and eval_fn is None:
+        raise ValueError("run: eval_every is set but eval_fn is None")
+    if not callable(step) or (eval_fn is not None and not callable(eval_fn)):
+        raise TypeError("run: step and eval_fn must be callables")
+    if not isinstance(state, TensorDictBase):
+        raise TypeError(f"run: state is a {type(state).__name__}; expected a TensorDict")
+    check_sinks(sinks)
+    rank = _rank()
+    prepare = getattr(step, "prepare", None)
+    if callable(prepare):
+        state = prepare(state)
+    if LOOP_KEY in state:
+        raise ValueError(f"run: the state has a top-level key {LOOP_KEY!r}, reserved for the loop")
+    if "step" not in state:
+        raise KeyError("run: the state has no 'step' counter (build it with purestep.init_state)")
+    root = None if checkpoint_dir is None else Path(checkpoint_dir)
+    if root is not None:
+        probe_writable(root, rank)
+    stream = DataStream(data)
+    stream.check_state()
+    source = resume_source(resume, root)
+    if source is not None:
+        state = restore(source, state, stream)
+    s = int(state.get("step"))
+    if s > num_steps:
+        raise ValueError(f"run: resumed at step {s}, past num_steps={num_steps}")
+    out_sinks = make_sinks(sinks, root) if rank == 0 else []
+    bar = None
+    try:
+        for sink in out_sinks:
+            if callable(start := getattr(sink, "start", None)):
+                start(s)
+        bar = _progress_bar(progress and rank == 0, s, num_steps)
+
+        def emit(at: int, record: dict[str, float]) -> None:
+            for sink in out_sinks:
+                sink(at, record)
+            if bar is not None:
+                bar.set_postfix(_short(record), refresh=False)
+
+        buf = MetricBuffer()
+
+        def take() -> dict[str, float]:
+            if rank == 0:
+                return buf.pop()
+            buf.clear()  # only rank 0 logs: no host read elsewhere
+            return {}
+
+        saved_at = s if source is not None else -1
+        with StopSignal() as stop:
+            while s < num_steps:
+                state, metrics = _call(step, state, _to_batch(stream.next(), s), s)
+                new = int(state.get("step"))
+                if new <= s:
+                    raise RuntimeError(
+                        f"run: the step did not advance state['step'] (was {s}, now {new})"
+                    )
+                buf.add(metrics)
+                prev, s = s, new
+                final = s >= num_steps
+                save_now = root is not None and (
+                    final or (save_every is not None and _crossed(prev, s, save_every))
+                )
+                record = take() if (final or save_now or _crossed(prev, s, log_every)) else {}
+                if eval_fn is not None and (
+                    _crossed(prev, s, eval_every) if eval_every is not None else final
+                ):
+                    record.update(_evaluate(eval_fn, state))
+                if record:
+                    emit(s, record)
+                if bar is not None:
+                    bar.update(s - prev)
+                if save_now:
+                    assert root is not None
+                    save(root, state, stream, s, keep_last)
+                    saved_at = s
+                signum = stop.poll()
+                if signum and not final:
+                    if buf and (record := take()):
+                        emit(s, record)
+                    path = None
+                    if root is not None:
+                        path = ckpt.step_dir(root, s)
+                        if saved_at != s:
+                            save(root, state, stream, s, keep_last)
+                    raise Preempted(state, signum, path)
+    finally:
+        for sink in out_sinks:
+            if callable(close := getattr(sink, "close", None)):
+                close()
+        if bar is not None:
+            bar.close()
+    return cast(TensorDict, state)

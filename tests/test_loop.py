@@ -1,0 +1,538 @@
+"""Tests of ``purestep.loop.run`` in process: equivalence with a hand loop, resume, data
+position, metrics and sinks, preemption by SIGINT, bad inputs; and ``purestep.plot``."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tensordict import TensorDict, TensorDictBase
+
+import purestep as ps
+from purestep import checkpoint as ckpt
+from purestep import loop
+from purestep.testing import assert_trees_equal, snapshot
+
+# -- fixtures: a small regression model, and a toy step whose metrics are known in advance ----
+
+
+def _batches(n: int, seed: int = 0) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [
+        {"x": torch.randn(6, 3, generator=g), "y": torch.randn(6, 1, generator=g)} for _ in range(n)
+    ]
+
+
+def _model(hidden: int = 8) -> tuple[Any, TensorDict]:
+    g = torch.Generator().manual_seed(0)
+    params = TensorDict(
+        {"w1": torch.randn(hidden, 3, generator=g), "w2": torch.randn(1, hidden, generator=g)}, []
+    )
+
+    def loss_fn(p: Any, b: Any, key: torch.Tensor) -> Any:
+        pred = torch.tanh(b["x"] @ p["m", "w1"].T) @ p["m", "w2"].T
+        return ((pred - b["y"]) ** 2).mean(), {"pred_mean": pred.mean()}
+
+    opt = {"m": ps.optim.adamw(1e-2)}
+    return ps.train_step(ps.value_and_grad(loss_fn), opt), ps.init_state({"m": params}, opt, seed=3)
+
+
+def _hand_loop(step: Any, state: TensorDictBase, data: list[Any], n: int) -> TensorDictBase:
+    """The reference: prepare, then the steps over data repeated, by hand."""
+    state = step.prepare(state)
+    for i in range(int(state["step"]), n):
+        state, _ = step(state, data[i % len(data)])
+    return state
+
+
+class _Toy:
+    """A step over ``{"step", "acc"}`` whose metrics are functions of the input step and batch."""
+
+    def __call__(self, state: TensorDictBase, batch: TensorDictBase) -> Any:
+        s = state["step"]
+        out = TensorDict({"step": s + 1, "acc": state["acc"] + batch["v"].sum()}, [])
+        metrics = TensorDict(
+            {"s": s.double(), "nested": {"sq": (s * s).double()}, "batch": batch["v"][0]}, []
+        )
+        return out, metrics
+
+
+def _toy_state() -> TensorDict:
+    return TensorDict({"step": torch.tensor(0), "acc": torch.tensor(0.0, dtype=torch.float64)}, [])
+
+
+def _toy_data(n: int) -> list[dict[str, torch.Tensor]]:
+    return [{"v": torch.tensor([float(i)], dtype=torch.float64)} for i in range(n)]
+
+
+class _Record:
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, dict[str, float]]] = []
+
+    def __call__(self, step: int, metrics: dict[str, float]) -> None:
+        self.calls.append((step, dict(metrics)))
+
+
+def _run(step: Any, state: Any, data: Any, **kw: Any) -> Any:
+    kw.setdefault("progress", False)
+    return loop.run(step, state, data, **kw)
+
+
+# -- equivalence and resume -------------------------------------------------------------------
+
+
+@settings(max_examples=6, deadline=None)
+@given(num_steps=st.integers(1, 9), num_batches=st.integers(1, 4), log_every=st.integers(1, 4))
+def test_run_equals_the_hand_loop_over_repeated_data(
+    num_steps: int, num_batches: int, log_every: int
+) -> None:
+    """run(num_steps) == the same steps by hand over the data re-iterated, bitwise."""
+    step, state = _model()
+    data = _batches(num_batches)
+    out = _run(step, snapshot(state), data, num_steps=num_steps, log_every=log_every, sinks=())
+    assert_trees_equal(out, _hand_loop(step, snapshot(state), data, num_steps))
+    assert "loop" not in out
+
+
+@settings(max_examples=4, deadline=None)
+@given(
+    stop=st.integers(1, 7),
+    save_every=st.sampled_from([None, 1, 2, 3]),
+    num_batches=st.integers(1, 3),
+)
+def test_resume_latest_continues_to_the_uninterrupted_state(
+    tmp_path_factory: pytest.TempPathFactory, stop: int, save_every: int | None, num_batches: int
+) -> None:
+    """A run to `stop` then a resumed run to 8 == one run to 8 (state bitwise; log once per step)."""
+    d = tmp_path_factory.mktemp("run")
+    step, state = _model()
+    data = _batches(num_batches)
+    _run(step, snapshot(state), data, num_steps=stop, checkpoint_dir=d, save_every=save_every)
+    assert ckpt.latest(d) == ckpt.step_dir(d, stop)
+    out = _run(step, snapshot(state), data, num_steps=8, checkpoint_dir=d, save_every=save_every)
+    assert_trees_equal(out, _hand_loop(step, snapshot(state), data, 8))
+    assert [r["step"] for r in loop.read_metrics(d / "metrics.jsonl")] == list(range(1, 9))
+
+
+def test_resume_from_a_path_replays_the_later_steps(tmp_path: Path) -> None:
+    """resume=PATH of an older checkpoint: the later steps are redone (same final state) and
+    the log's records after that checkpoint's step are replaced, not duplicated."""
+    step, state = _model()
+    data = _batches(3)
+    kw: dict[str, Any] = {"checkpoint_dir": tmp_path, "save_every": 2, "keep_last": 10}
+    _run(step, snapshot(state), data, num_steps=6, **kw)
+    assert [int(ckpt.read_metadata(p)["step"]) for p in ckpt.checkpoints(tmp_path)] == [2, 4, 6]
+    before = loop.read_metrics(tmp_path / "metrics.jsonl")
+    out = _run(step, snapshot(state), data, num_steps=6, resume=ckpt.step_dir(tmp_path, 2), **kw)
+    assert_trees_equal(out, _hand_loop(step, snapshot(state), data, 6))
+    assert loop.read_metrics(tmp_path / "metrics.jsonl") == before
+
+
+def test_checkpoint_holds_the_data_position(tmp_path: Path) -> None:
+    """loop.batches_consumed (global) and per-rank epoch/position are saved with the state."""
+    step, state = _model()
+    _run(step, state, _batches(3), num_steps=7, checkpoint_dir=tmp_path)
+    md = ckpt.read_metadata(ckpt.step_dir(tmp_path, 7))
+    assert "loop.batches_consumed" in md["keys"]
+    assert set(md["per_rank_keys"]["0"]) == {"loop.epoch", "loop.position"}
+    pos = TensorDict({"loop": {"epoch": torch.tensor(0), "position": torch.tensor(0)}}, [])
+    got = ckpt.load_per_rank(ckpt.step_dir(tmp_path, 7), like=pos)
+    assert (int(got["loop", "epoch"]), int(got["loop", "position"])) == (2, 1)  # 7 = 3 + 3 + 1
+
+
+def test_a_hand_written_checkpoint_resumes_with_one_batch_per_step(tmp_path: Path) -> None:
+    """A checkpoint saved with checkpoint.save (no loop keys) resumes; step batches are skipped."""
+    step, state = _model()
+    data = _batches(3)
+    mid = _hand_loop(step, snapshot(state), data, 4)
+    ckpt.save(mid, ckpt.step_dir(tmp_path, 4))
+    out = _run(step, snapshot(state), data, num_steps=8, checkpoint_dir=tmp_path)
+    assert_trees_equal(out, _hand_loop(step, snapshot(state), data, 8))
+
+
+def test_keep_last_keeps_the_newest_checkpoints(tmp_path: Path) -> None:
+    """With save_every=1 only the keep_last newest checkpoints remain, also while fewer exist."""
+    step, state = _model()
+    _run(
+        step,
+        snapshot(state),
+        _batches(2),
+        num_steps=2,
+        checkpoint_dir=tmp_path / "a",
+        save_every=1,
+        keep_last=3,
+    )
+    assert [p.name for p in ckpt.checkpoints(tmp_path / "a")] == ["step_00000001", "step_00000002"]
+    _run(
+        step,
+        snapshot(state),
+        _batches(2),
+        num_steps=6,
+        checkpoint_dir=tmp_path / "b",
+        save_every=1,
+        keep_last=2,
+    )
+    assert [p.name for p in ckpt.checkpoints(tmp_path / "b")] == ["step_00000005", "step_00000006"]
+
+
+# -- data -----------------------------------------------------------------------------------
+
+
+def test_data_is_reiterated_when_exhausted_and_set_epoch_is_called() -> None:
+    """With 3 batches and 8 steps the step sees batches 0 1 2 0 1 2 0 1; set_epoch(n) before pass n."""
+
+    class Data:
+        def __init__(self) -> None:
+            self.epochs: list[int] = []
+
+        def set_epoch(self, n: int) -> None:
+            self.epochs.append(n)
+
+        def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+            return iter(_toy_data(3))
+
+    rec, data = _Record(), Data()
+    _run(_Toy(), _toy_state(), data, num_steps=8, sinks=[rec])
+    assert [m["batch"] for _, m in rec.calls] == [0, 1, 2, 0, 1, 2, 0, 1]
+    assert data.epochs == [0, 1, 2]
+
+
+def test_one_shot_iterators_and_empty_data_fail_clearly() -> None:
+    """A generator that runs out names the need for a re-iterable; empty data says so."""
+    gen = iter(_toy_data(2))
+    with pytest.raises(ValueError, match="re-iterable"):
+        _run(_Toy(), _toy_state(), gen, num_steps=5, sinks=())
+    with pytest.raises(ValueError, match="yielded no batches"):
+        _run(_Toy(), _toy_state(), [], num_steps=5, sinks=())
+
+
+# -- metrics and sinks -----------------------------------------------------------------------
+
+
+def test_log_records_hold_interval_means() -> None:
+    """Records at multiples of log_every and the last step hold the mean over their interval;
+    nested names join with '/'."""
+    rec = _Record()
+    _run(_Toy(), _toy_state(), _toy_data(4), num_steps=10, log_every=4, sinks=[rec])
+    assert [s for s, _ in rec.calls] == [4, 8, 10]
+    for (at, metrics), lo in zip(rec.calls, [0, 4, 8], strict=True):
+        ss = list(range(lo, at))  # the toy's metric "s" is the input step
+        assert metrics["s"] == sum(ss) / len(ss)
+        assert metrics["nested/sq"] == sum(s * s for s in ss) / len(ss)
+        assert all(type(v) is float for v in metrics.values())
+
+
+class _Counting(torch.Tensor):
+    """Counts reads of values to the host (item, tolist, float, ...)."""
+
+    reads = 0
+    _READS = frozenset(
+        {
+            torch.Tensor.item,
+            torch.Tensor.tolist,
+            torch.Tensor.__float__,
+            torch.Tensor.__bool__,
+            torch.Tensor.__int__,
+            torch.Tensor.numpy,
+        }
+    )
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func in cls._READS:
+            _Counting.reads += 1
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def test_metrics_are_read_to_the_host_once_per_log_point() -> None:
+    """Metric tensors are read to the host once per log point, not once per step or metric."""
+
+    def step(state: TensorDictBase, batch: TensorDictBase) -> Any:
+        m = {k: torch.tensor(1.5).as_subclass(_Counting) for k in ("a", "b", "c")}
+        return TensorDict({"step": state["step"] + 1}, []), m
+
+    _Counting.reads = 0
+    rec = _Record()
+    _run(
+        step,
+        TensorDict({"step": torch.tensor(0)}, []),
+        _toy_data(2),
+        num_steps=12,
+        log_every=4,
+        sinks=[rec],
+    )
+    assert len(rec.calls) == 3
+    assert _Counting.reads == 3
+    assert rec.calls[0][1] == {"a": 1.5, "b": 1.5, "c": 1.5}
+
+
+def test_file_sinks_write_the_same_records(tmp_path: Path) -> None:
+    """jsonl, csv and a callable receive the same (step, metrics) records."""
+    rec = _Record()
+    _run(
+        _Toy(),
+        _toy_state(),
+        _toy_data(3),
+        num_steps=5,
+        log_every=2,
+        checkpoint_dir=tmp_path,
+        sinks=("jsonl", "csv", rec),
+    )
+    expected = [{"step": s, **m} for s, m in rec.calls]
+    assert [s for s, _ in rec.calls] == [2, 4, 5]
+    assert loop.read_metrics(tmp_path / "metrics.jsonl") == expected
+    lines = (tmp_path / "metrics.csv").read_text().splitlines()
+    header = lines[0].split(",")
+    assert header == ["step", "s", "nested/sq", "batch"]
+    rows = [dict(zip(header, map(float, ln.split(",")), strict=True)) for ln in lines[1:]]
+    assert rows == [{k: float(v) for k, v in e.items()} for e in expected]
+
+
+def test_file_sinks_drop_records_after_the_resumed_step(tmp_path: Path) -> None:
+    """Records past the resumed checkpoint's step (and torn lines) are dropped on restart."""
+    step, state = _model()
+    _run(
+        step,
+        snapshot(state),
+        _batches(2),
+        num_steps=3,
+        checkpoint_dir=tmp_path,
+        sinks=("jsonl", "csv"),
+    )
+    with open(tmp_path / "metrics.jsonl", "a") as fh:
+        fh.write(json.dumps({"step": 9, "loss": 1.0}) + "\n" + '{"step": 10, "lo')
+    with open(tmp_path / "metrics.csv", "a") as fh:
+        fh.write("9,1,1,1\n")
+    _run(
+        step,
+        snapshot(state),
+        _batches(2),
+        num_steps=5,
+        checkpoint_dir=tmp_path,
+        sinks=("jsonl", "csv"),
+    )
+    assert [r["step"] for r in loop.read_metrics(tmp_path / "metrics.jsonl")] == [1, 2, 3, 4, 5]
+    csv_steps = [ln.split(",")[0] for ln in (tmp_path / "metrics.csv").read_text().splitlines()]
+    assert csv_steps == ["step", "1", "2", "3", "4", "5"]
+
+
+def test_tensorboard_sink_writes_events(tmp_path: Path) -> None:
+    """The tensorboard sink writes an event file (skipped without tensorboard)."""
+    pytest.importorskip("tensorboard")
+    _run(
+        _Toy(),
+        _toy_state(),
+        _toy_data(2),
+        num_steps=3,
+        checkpoint_dir=tmp_path,
+        sinks=("tensorboard",),
+    )
+    assert any(p.name.startswith("events.") for p in (tmp_path / "tensorboard").iterdir())
+
+
+def test_eval_metrics_are_logged_with_the_eval_prefix() -> None:
+    """eval_fn runs every eval_every steps on the state after that step; its metrics arrive as
+    eval/<name> in the record of that step (one record per step)."""
+    rec, seen = _Record(), []
+
+    def eval_fn(state: TensorDictBase) -> dict[str, Any]:
+        seen.append(int(state["step"]))
+        return {"acc": state["acc"], "deep": {"x": 2.0}}
+
+    _run(
+        _Toy(),
+        _toy_state(),
+        _toy_data(3),
+        num_steps=7,
+        log_every=2,
+        sinks=[rec],
+        eval_fn=eval_fn,
+        eval_every=3,
+    )
+    assert seen == [3, 6]
+    assert [s for s, _ in rec.calls] == [2, 3, 4, 6, 7]
+    by_step = dict(rec.calls)
+    assert set(by_step[3]) == {"eval/acc", "eval/deep/x"}
+    assert by_step[3]["eval/acc"] == 0 + 1 + 2
+    assert {"s", "eval/acc"} <= set(by_step[6])
+
+
+# -- preemption ----------------------------------------------------------------------------
+
+
+def test_sigint_saves_at_the_current_step_and_resumes_exactly(tmp_path: Path) -> None:
+    """SIGINT during step 4's logging: run saves a checkpoint at step 4 and raises Preempted
+    (code 130) with the state; resuming ends where an uninterrupted run ends."""
+    step, state = _model()
+    data = _batches(3)
+
+    def interrupt(s: int, m: dict[str, float]) -> None:
+        if s == 4:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    before = signal.getsignal(signal.SIGINT)
+    with pytest.raises(loop.Preempted) as info:
+        _run(
+            step,
+            snapshot(state),
+            data,
+            num_steps=9,
+            checkpoint_dir=tmp_path,
+            save_every=3,
+            sinks=("jsonl", interrupt),
+        )
+    assert signal.getsignal(signal.SIGINT) is before
+    e = info.value
+    assert (e.code, e.step, e.checkpoint) == (130, 4, ckpt.step_dir(tmp_path, 4))
+    assert ckpt.latest(tmp_path) == ckpt.step_dir(tmp_path, 4)
+    assert_trees_equal(e.state, _hand_loop(step, snapshot(state), data, 4))
+    out = _run(step, snapshot(state), data, num_steps=9, checkpoint_dir=tmp_path, save_every=3)
+    assert_trees_equal(out, _hand_loop(step, snapshot(state), data, 9))
+    assert [r["step"] for r in loop.read_metrics(tmp_path / "metrics.jsonl")] == list(range(1, 10))
+
+
+def test_a_second_signal_interrupts_at_once(tmp_path: Path) -> None:
+    """A second SIGINT raises KeyboardInterrupt where the program is; no checkpoint is saved."""
+
+    def interrupt_twice(s: int, m: dict[str, float]) -> None:
+        if s == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGINT)
+
+    before = signal.getsignal(signal.SIGINT)
+    with pytest.raises(KeyboardInterrupt):
+        _run(
+            _Toy(),
+            _toy_state(),
+            _toy_data(2),
+            num_steps=5,
+            checkpoint_dir=tmp_path,
+            sinks=[interrupt_twice],
+        )
+    assert signal.getsignal(signal.SIGINT) is before
+    assert ckpt.checkpoints(tmp_path) == []
+
+
+def test_after_a_first_sigterm_a_second_one_terminates() -> None:
+    """The first SIGTERM re-arms SIGTERM to the default action (terminate at once); run then
+    raises Preempted with code 143, and the previous handler is back afterwards."""
+    armed: list[Any] = []
+
+    def term(s: int, m: dict[str, float]) -> None:
+        if s == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+            armed.append(signal.getsignal(signal.SIGTERM))
+
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(loop.Preempted) as info:
+        _run(_Toy(), _toy_state(), _toy_data(2), num_steps=5, sinks=[term])
+    assert armed == [signal.SIG_DFL]
+    assert (info.value.code, info.value.step, info.value.checkpoint) == (143, 2, None)
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+# -- bad inputs: clear errors, and nothing that looks like a checkpoint -----------------------
+
+
+def test_a_batch_missing_a_key_names_it_before_anything_is_saved(tmp_path: Path) -> None:
+    """The step reads batch["y"], the data has only "x": the error names "y" at step 0."""
+    step, state = _model()
+    data = [{"x": torch.ones(6, 3)}]
+    with pytest.raises(loop.BatchKeyError, match=r"no key 'y'.*batch keys: \['x'\]"):
+        _run(step, state, data, num_steps=3, checkpoint_dir=tmp_path, save_every=1)
+    assert ckpt.checkpoints(tmp_path) == []
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"num_steps": 0}, "num_steps must be an int >= 1"),
+        ({"num_steps": -3}, "num_steps must be an int >= 1"),
+        ({"num_steps": 2.5}, "num_steps must be an int >= 1"),
+        ({"num_steps": 3, "save_every": 0, "checkpoint_dir": "x"}, "save_every"),
+        ({"num_steps": 3, "save_every": 2}, "save_every needs a checkpoint_dir"),
+        ({"num_steps": 3, "keep_last": 0}, "keep_last"),
+        ({"num_steps": 3, "log_every": 0}, "log_every"),
+        ({"num_steps": 3, "eval_every": 2}, "eval_fn is None"),
+        ({"num_steps": 3, "sinks": ("jsonl", "nope")}, "unknown sink 'nope'"),
+    ],
+)
+def test_bad_arguments_fail_before_any_step(kwargs: dict[str, Any], match: str) -> None:
+    """Bad arguments raise ValueError naming the argument, before the step is called."""
+
+    def step(state: Any, batch: Any) -> Any:
+        raise AssertionError("the step must not run")
+
+    with pytest.raises(ValueError, match=match):
+        loop.run(step, _toy_state(), _toy_data(1), progress=False, **kwargs)
+
+
+def test_an_unwritable_checkpoint_dir_fails_before_any_step(tmp_path: Path) -> None:
+    """A checkpoint_dir that cannot be created (its parent is a file) names the directory."""
+    (tmp_path / "file").write_text("")
+    bad = tmp_path / "file" / "ckpt"
+    with pytest.raises(OSError, match=r"checkpoint_dir .* is not writable"):
+        _run(_Toy(), _toy_state(), _toy_data(1), num_steps=2, checkpoint_dir=bad)
+
+
+def test_resume_from_something_that_is_not_a_checkpoint(tmp_path: Path) -> None:
+    """resume=PATH of a missing or non-checkpoint directory fails naming the path."""
+    (tmp_path / "empty").mkdir()
+    for path in (tmp_path / "empty", tmp_path / "missing"):
+        with pytest.raises((FileNotFoundError, ValueError), match="is not a checkpoint"):
+            _run(
+                _Toy(),
+                _toy_state(),
+                _toy_data(1),
+                num_steps=2,
+                checkpoint_dir=tmp_path / "c",
+                resume=path,
+            )
+    assert ckpt.checkpoints(tmp_path / "c") == []
+
+
+def test_a_checkpoint_with_other_keys_lists_them(tmp_path: Path) -> None:
+    """Resuming a state from a checkpoint of a different model lists missing and unexpected keys."""
+    step, state = _model()
+    _run(step, snapshot(state), _batches(1), num_steps=1, checkpoint_dir=tmp_path)
+    other = snapshot(state)
+    other["params", "m", "w3"] = torch.zeros(2)
+    other["opt_state"] = other["opt_state"].exclude(("m", "mu", "w1"))
+    with pytest.raises(ValueError, match=r"(?s)cannot resume.*params\.m\.w3.*opt_state\.m\.mu\.w1"):
+        _run(step, other, _batches(1), num_steps=3, checkpoint_dir=tmp_path)
+    with pytest.raises(ValueError, match="already holds checkpoints"):
+        _run(step, snapshot(state), _batches(1), num_steps=3, checkpoint_dir=tmp_path, resume=None)
+    assert [p.name for p in ckpt.checkpoints(tmp_path)] == ["step_00000001"]
+
+
+# -- plot ----------------------------------------------------------------------------------
+
+
+def test_plot_draws_one_panel_per_family(tmp_path: Path) -> None:
+    """python -m purestep.plot's main: loss, lr, grad_norm and eval panels into a PNG."""
+    pytest.importorskip("matplotlib")
+    from purestep import plot
+
+    step, state = _model()
+    _run(
+        step,
+        state,
+        _batches(2),
+        num_steps=4,
+        checkpoint_dir=tmp_path,
+        eval_fn=lambda s: {"loss": 1.0},
+        eval_every=2,
+    )
+    out = tmp_path / "curves.png"
+    assert plot.main([str(tmp_path / "metrics.jsonl"), "-o", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    fams = plot.families(["loss", "m/lr", "m/grad_norm", "pred_mean", "eval/loss"])
+    assert list(fams) == ["loss", "lr", "grad_norm", "pred_mean", "eval/loss"]
