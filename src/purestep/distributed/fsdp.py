@@ -1,0 +1,514 @@
+"""Bind FSDP2-sharded modules to a purestep state: ``bind``, ``shard_batch``, ``reduce_metrics``.
+
+FSDP2 (``fully_shard``) breaks functional calls: after the first forward a
+module ignores parameters swapped in by ``functional_call``/``to_module``, and
+``autograd.grad`` cannot reach the sharded parameters. So a *bound* role's
+params are the module's own sharded ``DTensor`` parameters (the state aliases
+them), grads come from ``backward()`` and ``.grad`` (FSDP reduce-scatters them
+there), and the optimizer updates them in place (the step must donate).
+
+What the step layer does for bound roles (see :mod:`purestep.step`), and what
+this module hooks into it:
+
+* before each ``backward()``, gradient sync is off on every FSDP module of the
+  binding except on the last microbatch of :func:`purestep.accumulate`
+  (``set_requires_gradient_sync`` and ``set_is_last_backward``, set on each FSDP
+  module, since FSDP state is per module);
+* on the last microbatch ``.grad`` (the data-parallel mean of the weighted sum)
+  is moved into the grads TensorDict and cleared;
+* ``train_step`` averages the loss function's metrics (per-rank means) over the
+  data-parallel ranks in one collective, so metrics equal one process's.
+
+Data parallelism: each rank computes the mean loss of its slice of the global
+batch and FSDP averages grads over ranks, which gives the global-batch mean when
+every rank has the same number of samples. :func:`shard_batch` assigns the
+global sample ids (``batch["index"]``) before slicing, so per-sample noise is
+the same as in one process and results do not depend on the world size (up to
+float summation order).
+
+Example:
+    >>> import torch.distributed as dist  # doctest: +SKIP
+    >>> from purestep import accumulate, init_state, optim, train_step, value_and_grad  # doctest: +SKIP
+    >>> from purestep.distributed import fsdp  # doctest: +SKIP
+    >>> dist.init_process_group("gloo")  # doctest: +SKIP
+    >>> binding = fsdp.bind(model, shard=[Block])  # doctest: +SKIP
+    >>> opt = {"student": optim.adamw(1e-3)}  # doctest: +SKIP
+    >>> state = init_state({"student": binding}, opt, seed=0)  # doctest: +SKIP
+    >>> step = train_step(accumulate(value_and_grad(loss_fn), 4), opt, donate=True)  # doctest: +SKIP
+    >>> state, metrics = step(state, fsdp.shard_batch(global_batch, binding.mesh))  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, cast
+
+import attrs
+import torch
+import torch.distributed as dist
+from tensordict import TensorDict, TensorDictBase
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from purestep import tree
+from purestep.step._batch import Batch, as_batch, batch_size, with_index
+from purestep.step._grad import (
+    Microbatch,
+    register_bound_backward_hook,
+    register_bound_metrics_hook,
+)
+
+__all__ = [
+    "FSDPBinding",
+    "bind",
+    "dp_rank",
+    "dp_size",
+    "gather",
+    "reduce_metrics",
+    "shard_batch",
+]
+
+ShardSpec = Callable[[nn.Module], bool] | Sequence[type[nn.Module]] | Sequence[str]
+
+
+# -- the binding ----------------------------------------------------------------------------
+
+
+@attrs.frozen(eq=False)
+class _Owner:
+    """What the backward/metrics hooks need to know about a binding (no strong module refs)."""
+
+    modules: tuple[weakref.ref[nn.Module], ...]
+    mesh: DeviceMesh
+    sync_every_microbatch: bool
+
+    def fsdp_modules(self) -> list[FSDPModule]:
+        out = []
+        for ref in self.modules:
+            m = ref()
+            if m is not None:
+                out.append(cast(FSDPModule, m))
+        return out
+
+
+# id(sharded param) -> (weakref to the param, owner). The weakref guards against id reuse;
+# entries are removed when the param is garbage collected.
+_OWNERS: dict[int, tuple[weakref.ref[torch.Tensor], _Owner]] = {}
+
+
+def _register(params: Iterable[torch.Tensor], owner: _Owner) -> None:
+    for p in params:
+        key = id(p)
+        _OWNERS[key] = (weakref.ref(p), owner)
+        weakref.finalize(p, _OWNERS.pop, key, None)
+
+
+def _owners_of(leaves: Sequence[torch.Tensor]) -> list[_Owner]:
+    found: dict[int, _Owner] = {}
+    for t in leaves:
+        entry = _OWNERS.get(id(t))
+        if entry is not None and entry[0]() is t:
+            found.setdefault(id(entry[1]), entry[1])
+    return list(found.values())
+
+
+# Frozen at runtime (on_setattr); not ``attrs.frozen``, whose read-only attributes mypy
+# rejects for ParamSource's plain ``aliases_module: bool`` member.
+@attrs.define(eq=False, on_setattr=attrs.setters.frozen)
+class FSDPBinding:
+    """An FSDP2-sharded module whose sharded parameters a purestep state aliases.
+
+    Built by :func:`bind`; pass it as a role's params to
+    :func:`purestep.init_state`. Implements :class:`purestep.state.ParamSource`.
+
+    Invariant: :meth:`params` returns the module's own sharded ``nn.Parameter``
+    DTensors (the very objects, not copies), so in-place updates of the state's
+    params are the module's weights. Keep the state's params and the module
+    together: replacing a bound param tensor in the state detaches it.
+
+    Attributes:
+        module: the root module (an ``FSDPModule`` after :func:`bind`).
+        fsdp_modules: every FSDP-wrapped module, blocks first, the root last.
+        mesh: the data-parallel device mesh (1-D: FSDP; 2-D: HSDP, replicate x shard).
+        sync_every_microbatch: reduce grads on every microbatch instead of the last only.
+        aliases_module: always True (the params are the module's own).
+
+    Example:
+        >>> b = bind(nn.Linear(4, 4))  # doctest: +SKIP
+        >>> all(p is q for p, q in zip(tree.leaves(b.params()), b.module.parameters()))  # doctest: +SKIP
+        True
+    """
+
+    module: nn.Module
+    fsdp_modules: tuple[nn.Module, ...]
+    mesh: DeviceMesh
+    sync_every_microbatch: bool = False
+    aliases_module: bool = attrs.field(default=True, init=False)
+
+    def params(self) -> TensorDict:
+        """The trainable sharded params, nested by module path; the module's own objects.
+
+        Raises:
+            RuntimeError: a param is not a sharded DTensor (called between a
+                forward and its backward, or the module was not sharded).
+
+        Example:
+            >>> sorted(bind(nn.Linear(2, 2)).params().keys())  # doctest: +SKIP
+            ['bias', 'weight']
+        """
+        items: list[tuple[tuple[str, ...], torch.Tensor]] = []
+        for name, param in self.module.named_parameters():
+            p: torch.Tensor = param
+            if not p.requires_grad:
+                continue
+            if not hasattr(p, "to_local"):
+                raise RuntimeError(
+                    f"FSDPBinding.params: parameter {name!r} is a {type(p).__name__}, not a "
+                    "sharded DTensor; call params() outside forward/backward (after "
+                    "backward FSDP registers the sharded parameters again)"
+                )
+            items.append((tuple(name.split(".")), p))
+        if not items:
+            raise ValueError(
+                f"FSDPBinding.params: module {type(self.module).__name__} has no trainable "
+                "parameters (requires_grad=True)"
+            )
+        out = TensorDict({}, batch_size=[])
+        for path, t in items:
+            out.set(path, t)  # TensorDict keeps the object: checked below
+        for (path, t), leaf in zip(items, tree.leaves(out), strict=True):
+            if leaf is not t:  # pragma: no cover - a tensordict behaviour change
+                raise RuntimeError(
+                    f"FSDPBinding.params: TensorDict replaced parameter {tree.format_path(path)} "
+                    "by another object; bound params must alias the module's parameters"
+                )
+        return out
+
+    def reshard(self) -> None:
+        """Reshard every FSDP module (``FSDPModule.reshard`` does not recurse).
+
+        Frees unsharded parameters kept by ``reshard_after_forward=False`` (e.g.
+        after an evaluation forward), so the module's registered params are the
+        sharded ones again.
+
+        Example:
+            >>> bind(nn.Linear(2, 2), reshard_after_forward=False).reshard()  # doctest: +SKIP
+        """
+        for m in self.fsdp_modules:
+            cast(FSDPModule, m).reshard()
+
+
+def _default_mesh() -> DeviceMesh:
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            "fsdp.bind: torch.distributed is not initialized; call "
+            "torch.distributed.init_process_group(...) first (torchrun sets the environment)"
+        )
+    backend = str(dist.get_backend()).lower()
+    device_type = "cpu" if backend == "gloo" or not torch.cuda.is_available() else "cuda"
+    return init_device_mesh(device_type, (dist.get_world_size(),))
+
+
+def _selector(shard: ShardSpec | None, root: nn.Module) -> Callable[[str, nn.Module], bool]:
+    if shard is None:
+        return lambda name, m: False
+    if isinstance(shard, (str, type)):
+        items: list[object] = [shard]
+    elif callable(shard):
+        fn = shard
+        return lambda name, m: bool(fn(m))
+    else:
+        items = list(shard)
+    if all(isinstance(s, type) and issubclass(s, nn.Module) for s in items):
+        types = tuple(cast(list[type[nn.Module]], items))
+        return lambda name, m: isinstance(m, types)
+    if all(isinstance(s, str) for s in items):
+        names = set(cast(list[str], items))
+        known = {n for n, _ in root.named_modules() if n}
+        missing = sorted(names - known)
+        if missing:
+            sample = ", ".join(sorted(known)[:12]) + (", ..." if len(known) > 12 else "")
+            raise KeyError(
+                f"fsdp.bind: shard names {missing} are not submodules of "
+                f"{type(root).__name__} (submodules: {sample})"
+            )
+        return lambda name, m: name in names
+    raise TypeError(
+        "fsdp.bind: shard must be a callable module -> bool, a list of module types or "
+        f"a list of submodule names; got {shard!r}"
+    )
+
+
+def bind(
+    module: nn.Module,
+    *,
+    mesh: DeviceMesh | None = None,
+    shard: ShardSpec | None = None,
+    reshard_after_forward: bool = True,
+    mixed_precision: MixedPrecisionPolicy | None = None,
+    sync_every_microbatch: bool = False,
+) -> FSDPBinding:
+    """Shard ``module`` with FSDP2 and bind it for use as a role's params.
+
+    Applies ``fully_shard`` to every submodule selected by ``shard`` (bottom-up,
+    so nested selections work), then to the root. Each call makes one
+    communication group; shard per block (transformer layer) for overlap and
+    peak-memory savings. A module that is already an ``FSDPModule`` is bound as
+    it is (``shard`` must then be None).
+
+    Use the result as ``init_state({"student": binding}, ...)`` and build the
+    step with ``donate=True``.
+
+    Args:
+        module: the model; its parameters are replaced by sharded DTensors
+            (``module`` itself is modified, as with ``fully_shard``).
+        mesh: 1-D mesh (FSDP) or 2-D ``(replicate, shard)`` mesh (HSDP). Default:
+            a 1-D mesh over the default process group, on ``cuda`` unless the
+            backend is gloo.
+        shard: submodules to shard individually: a callable ``module -> bool``,
+            a list of module types, or a list of submodule names
+            (``named_modules``). Default: only the root.
+        reshard_after_forward: free unsharded params after forward (re-gathered
+            in backward); ``False`` trades memory for communication.
+        mixed_precision: an FSDP ``MixedPrecisionPolicy`` (e.g.
+            ``param_dtype=torch.bfloat16, reduce_dtype=torch.float32``); the
+            sharded params (the state) stay in their original dtype.
+        sync_every_microbatch: reduce grads after every microbatch of
+            :func:`purestep.accumulate` rather than the last only (more
+            communication; the same result up to float summation order).
+
+    Returns:
+        An :class:`FSDPBinding`.
+
+    Raises:
+        RuntimeError: no process group is initialized and no ``mesh`` given.
+        KeyError: a name in ``shard`` is not a submodule.
+        TypeError: ``shard`` has an unsupported type.
+
+    Example:
+        >>> binding = bind(model, shard=[Block])  # doctest: +SKIP
+        >>> state = init_state({"student": binding}, {"student": optim.adamw(1e-3)}, seed=0)  # doctest: +SKIP
+    """
+    mesh = _default_mesh() if mesh is None else mesh
+    if mesh.ndim not in (1, 2):
+        raise ValueError(f"fsdp.bind: mesh must be 1-D (FSDP) or 2-D (HSDP); got {mesh.ndim}-D")
+    if mesh.ndim == 2 and mesh.mesh_dim_names is None:
+        raise ValueError(
+            "fsdp.bind: a 2-D (HSDP) mesh needs dim names, e.g. init_device_mesh(device, "
+            "(replicas, shards), mesh_dim_names=('replicate', 'shard'))"
+        )
+    if isinstance(module, FSDPModule):
+        if shard is not None:
+            raise ValueError(
+                "fsdp.bind: module is already sharded (an FSDPModule); pass shard=None to bind it"
+            )
+    else:
+        select = _selector(shard, module)
+        chosen = [m for name, m in module.named_modules() if name and select(name, m)]
+        kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
+        if mixed_precision is not None:
+            kwargs["mp_policy"] = mixed_precision
+        # named_modules is pre-order, so its reverse shards children before their parents
+        for m in reversed(chosen):
+            if not isinstance(m, FSDPModule):
+                fully_shard(m, **kwargs)
+        fully_shard(module, **kwargs)
+    # blocks first (bottom-up, the order fully_shard was applied), root last
+    inner = [m for m in module.modules() if isinstance(m, FSDPModule) and m is not module]
+    fsdp_modules: tuple[nn.Module, ...] = (*reversed(inner), module)
+    owner = _Owner(
+        modules=tuple(weakref.ref(m) for m in fsdp_modules),
+        mesh=mesh,
+        sync_every_microbatch=sync_every_microbatch,
+    )
+    binding = FSDPBinding(
+        module=module,
+        fsdp_modules=fsdp_modules,
+        mesh=mesh,
+        sync_every_microbatch=sync_every_microbatch,
+    )
+    _register(tree.leaves(binding.params()), owner)
+    return binding
+
+
+# -- hooks into the step layer --------------------------------------------------------------
+
+
+def _before_backward(leaves: Sequence[torch.Tensor], mb: Microbatch) -> None:
+    """Gradient sync on the last microbatch only, on every FSDP module of the owning bindings."""
+    for owner in _owners_of(leaves):
+        sync = mb.is_last or owner.sync_every_microbatch
+        for m in owner.fsdp_modules():
+            m.set_requires_gradient_sync(sync, recurse=False)
+            m.set_is_last_backward(sync)
+
+
+def _reduce_bound_metrics(leaves: Sequence[torch.Tensor], metrics: TensorDict) -> TensorDict:
+    owners = _owners_of(leaves)
+    if not owners:
+        return metrics
+    return reduce_metrics(metrics, owners[0].mesh)
+
+
+register_bound_backward_hook(_before_backward)
+register_bound_metrics_hook(_reduce_bound_metrics)
+
+
+# -- data parallelism -----------------------------------------------------------------------
+
+
+Group = DeviceMesh | dist.ProcessGroup | None
+
+
+def dp_rank(group: Group = None) -> int:
+    """This process's data-parallel rank: its position in ``group`` (row-major for a 2-D mesh).
+
+    ``group`` is a device mesh (all its dims are data parallel, as in HSDP), a
+    process group, or None for the default group (0 without a process group).
+
+    Example:
+        >>> dp_rank()  # no process group
+        0
+    """
+    if isinstance(group, DeviceMesh):
+        coord = group.get_coordinate()
+        if coord is None:
+            raise ValueError("dp_rank: this rank is not part of the mesh")
+        r = 0
+        for c, n in zip(coord, group.shape, strict=True):
+            r = r * n + c
+        return r
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0
+    return dist.get_rank(group)
+
+
+def dp_size(group: Group = None) -> int:
+    """The number of data-parallel ranks in ``group`` (see :func:`dp_rank`).
+
+    Example:
+        >>> dp_size()  # no process group
+        1
+    """
+    if isinstance(group, DeviceMesh):
+        return group.size()
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return dist.get_world_size(group)
+
+
+def shard_batch(batch: Batch, group: Group = None) -> TensorDictBase:
+    """This rank's contiguous slice of a global batch, with global sample ids in ``"index"``.
+
+    ``batch["index"] = arange(B)`` is assigned first when absent (before the
+    split), so per-sample randomness drawn with ``index`` is the same as in one
+    process. Every rank must pass the same global batch.
+
+    Args:
+        batch: the global batch (a TensorDict ``[B]`` or a dict of tensors).
+        group: the data-parallel mesh or process group (default: the default group).
+
+    Raises:
+        ValueError: ``B`` is not divisible by the number of data-parallel ranks
+            (the per-rank means would then not average to the global mean).
+
+    Example:
+        >>> import torch
+        >>> shard_batch({"x": torch.zeros(4, 2)})["index"]  # one process: the whole batch
+        tensor([0, 1, 2, 3])
+    """
+    td = with_index(as_batch(batch))
+    b, n, r = batch_size(td), dp_size(group), dp_rank(group)
+    if b % n != 0:
+        raise ValueError(
+            f"shard_batch: global batch of {b} samples is not divisible by the {n} "
+            "data-parallel ranks; every rank needs the same number of samples so that "
+            "the mean over ranks of per-rank mean losses is the global mean"
+        )
+    per = b // n
+    return td[r * per : (r + 1) * per]
+
+
+def _reduce_device(group: Group) -> torch.device:
+    if isinstance(group, DeviceMesh):
+        return torch.device(group.device_type) if group.device_type == "cpu" else _accel()
+    backend = str(dist.get_backend(group)).lower()
+    return torch.device("cpu") if backend == "gloo" else _accel()
+
+
+def _accel() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def reduce_metrics(metrics: TensorDictBase, group: Group = None) -> TensorDict:
+    """Average floating-point metrics over the data-parallel ranks in one collective.
+
+    Each rank's metrics are means over its own samples; with equal per-rank
+    sample counts their average is the global-batch mean, i.e. what one process
+    would log. Floating leaves of any shape are averaged (in float32, then cast
+    back); other leaves (counts, flags) are returned as they are. Every rank
+    must call this with the same keys. Without a process group (or with one
+    rank) ``metrics`` is returned unchanged.
+
+    ``train_step`` already does this for states with bound (FSDP) roles; call it
+    for metrics of a ``grad_fn`` used directly.
+
+    Args:
+        metrics: a TensorDict of metrics (not modified).
+        group: the data-parallel mesh (2-D: reduced over both dims) or process
+            group; default: the default group.
+
+    Example:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> m = TensorDict({"loss": torch.tensor(2.0)}, [])
+        >>> reduce_metrics(m)["loss"]  # one process: unchanged
+        tensor(2.)
+    """
+    if dp_size(group) == 1:
+        return metrics
+    leaves = tree.leaves(metrics)
+    idx = [i for i, t in enumerate(leaves) if t.is_floating_point()]
+    if not idx:
+        return metrics
+    device = _reduce_device(group)
+    flat = torch.cat([leaves[i].detach().reshape(-1).to(device, torch.float32) for i in idx])
+    if isinstance(group, DeviceMesh):
+        if group.size() == dist.get_world_size():
+            dist.all_reduce(flat)  # the default group covers the mesh: one collective
+        else:
+            for d in range(group.ndim):
+                dist.all_reduce(flat, group=group.get_group(d))
+    else:
+        dist.all_reduce(flat, group=group)
+    flat.div_(dp_size(group))
+    out = list(leaves)
+    start = 0
+    for i in idx:
+        t = leaves[i]
+        n = t.numel()
+        out[i] = flat[start : start + n].reshape(t.shape).to(t.device, t.dtype)
+        start += n
+    return tree.rebuild(metrics, out)
+
+
+def gather(params: TensorDictBase) -> TensorDict:
+    """Full (unsharded) plain tensors of every leaf: DTensors are all-gathered, others copied.
+
+    A collective when ``params`` has DTensor leaves: every rank must call it
+    with the same keys (calling it on one rank only hangs or aborts the group).
+    Use it for exporting weights or comparing with a single-process run.
+
+    Example:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> gather(TensorDict({"w": torch.ones(2)}, []))["w"]
+        tensor([1., 1.])
+    """
+    out = []
+    for t in tree.leaves(params):
+        full: Callable[[], torch.Tensor] | None = getattr(t, "full_tensor", None)
+        out.append(full().detach() if full is not None else t.detach().clone())
+    return tree.rebuild(params, out)
