@@ -23,7 +23,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from tensordict import TensorDict, TensorDictBase
@@ -51,6 +51,63 @@ def _as_path(key: str | tuple[str, ...]) -> KeyPath:
     return (key,) if isinstance(key, str) else tuple(key)
 
 
+# Fast walkers. ``TensorDict.keys/values(include_nested=True)`` cost ~1 µs per
+# leaf, which on a 150-leaf model is several percent of a fused optimizer step.
+# For plain nested ``TensorDict`` trees (the state's layout) we walk the
+# underlying dicts directly (~0.2 µs per leaf), in the same depth-first
+# insertion order; any other node type (lazy stacks, non-tensor data, ...)
+# falls back to the generic TensorDict API.
+
+
+def _collect_leaves(td: TensorDict, out: list[torch.Tensor]) -> bool:
+    for v in td._tensordict.values():
+        if isinstance(v, torch.Tensor):
+            out.append(v)
+        elif type(v) is not TensorDict or not _collect_leaves(v, out):
+            return False
+    return True
+
+
+def _collect_items(
+    td: TensorDict, prefix: KeyPath, keys: list[KeyPath], vals: list[torch.Tensor]
+) -> bool:
+    for k, v in td._tensordict.items():
+        if isinstance(v, torch.Tensor):
+            keys.append((*prefix, k))
+            vals.append(v)
+        elif type(v) is not TensorDict or not _collect_items(v, (*prefix, k), keys, vals):
+            return False
+    return True
+
+
+def _flatten(td: TensorDictBase) -> tuple[list[KeyPath], list[torch.Tensor]] | None:
+    """``(paths, leaves)`` by the fast walk, or None when ``td`` needs the generic API."""
+    if type(td) is not TensorDict:
+        return None
+    keys: list[KeyPath] = []
+    vals: list[torch.Tensor] = []
+    return (keys, vals) if _collect_items(td, (), keys, vals) else None
+
+
+def _same_structure(a: TensorDict, b: TensorDict, check_shapes: bool) -> bool:
+    """True when plain TensorDicts ``a`` and ``b`` have the same keys (in order) and shapes."""
+    da, db = a._tensordict, b._tensordict
+    if list(da) != list(db):
+        return False
+    for k, va in da.items():
+        vb = db[k]
+        if isinstance(va, torch.Tensor):
+            if not isinstance(vb, torch.Tensor) or (check_shapes and va.shape != vb.shape):
+                return False
+        elif (
+            type(va) is not TensorDict
+            or type(vb) is not TensorDict
+            or not _same_structure(va, vb, check_shapes)
+        ):
+            return False
+    return True
+
+
 def paths(td: TensorDictBase) -> list[KeyPath]:
     """Key paths of every leaf, in leaf-list order.
 
@@ -59,6 +116,9 @@ def paths(td: TensorDictBase) -> list[KeyPath]:
         >>> paths(TensorDict({"a": {"b": torch.ones(1)}}, []))
         [('a', 'b')]
     """
+    flat = _flatten(td)
+    if flat is not None:
+        return flat[0]
     return [_as_path(k) for k in td.keys(include_nested=True, leaves_only=True)]
 
 
@@ -70,7 +130,11 @@ def leaves(td: TensorDictBase) -> list[torch.Tensor]:
         >>> leaves(TensorDict({"a": torch.ones(1), "b": torch.zeros(2)}, []))[1]
         tensor([0., 0.])
     """
-    return list(td.values(include_nested=True, leaves_only=True))
+    if type(td) is TensorDict:
+        out: list[torch.Tensor] = []
+        if _collect_leaves(td, out):
+            return out
+    return [cast(torch.Tensor, v) for v in td.values(include_nested=True, leaves_only=True)]
 
 
 def format_path(path: str | Sequence[str]) -> str:
@@ -94,13 +158,54 @@ def rebuild(like: TensorDictBase, new_leaves: Iterable[torch.Tensor]) -> TensorD
         >>> rebuild(td, [torch.zeros(2)])["a"]
         tensor([0., 0.])
     """
-    it = iter(new_leaves)
-    out = like.apply(lambda _: next(it))
-    assert out is not None
-    sentinel = object()
-    if next(it, sentinel) is not sentinel:
-        raise ValueError("rebuild: more leaves than the template tree has")
-    return out  # type: ignore[no-any-return]
+    new = new_leaves if isinstance(new_leaves, list) else list(new_leaves)
+    pos = [0]
+    out = _rebuild_plain(like, new, pos) if type(like) is TensorDict else None
+    if out is None:  # generic TensorDict API (any node type, batch dims, devices)
+        pos[0] = 0
+
+        def take(_: torch.Tensor) -> torch.Tensor:
+            i = pos[0]
+            if i >= len(new):
+                raise ValueError(f"rebuild: fewer leaves ({len(new)}) than the template tree has")
+            pos[0] = i + 1
+            return new[i]
+
+        out = like.apply(take)
+        assert out is not None
+    if pos[0] != len(new):
+        raise ValueError(
+            f"rebuild: more leaves than the template tree has ({len(new)} given, {pos[0]} used)"
+        )
+    return out
+
+
+def _rebuild_plain(like: TensorDict, new: list[torch.Tensor], pos: list[int]) -> TensorDict | None:
+    """``like.apply`` for plain TensorDicts without batch dims or device, ~10x faster.
+
+    Builds the nodes directly (as ``apply`` does after its checks, which are no-ops
+    for ``batch_size=[]`` and ``device=None``). Returns None, having built nothing
+    visible, when some node needs the generic API.
+    """
+    if like._device is not None or like._batch_size:
+        return None
+    src: dict[str, Any] = {}
+    for k, v in like._tensordict.items():
+        if isinstance(v, torch.Tensor):
+            i = pos[0]
+            if i >= len(new):
+                raise ValueError(f"rebuild: fewer leaves ({len(new)}) than the template tree has")
+            src[k] = new[i]
+            pos[0] = i + 1
+        elif type(v) is TensorDict:
+            sub = _rebuild_plain(v, new, pos)
+            if sub is None:
+                return None
+            src[k] = sub
+        else:
+            return None
+    out: TensorDict = TensorDict._new_unsafe(src, batch_size=like._batch_size, nested=False)  # type: ignore[arg-type]
+    return out
 
 
 def unflatten(items: Sequence[tuple[KeyPath, torch.Tensor]]) -> TensorDict:
@@ -125,7 +230,7 @@ def clone(td: TensorDictBase) -> TensorDict:
         >>> clone(a)["x"] is a["x"]
         False
     """
-    return td.clone()  # type: ignore[no-any-return]
+    return cast(TensorDict, td.clone())
 
 
 def zeros_like(td: TensorDictBase) -> TensorDict:
@@ -136,7 +241,7 @@ def zeros_like(td: TensorDictBase) -> TensorDict:
         >>> zeros_like(TensorDict({"x": torch.ones(2)}, []))["x"]
         tensor([0., 0.])
     """
-    return td.apply(torch.zeros_like)  # type: ignore[no-any-return]
+    return cast(TensorDict, td.apply(torch.zeros_like))
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -197,24 +302,50 @@ def global_norm(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     if not tensors:
         return torch.zeros((), dtype=torch.float32)
     plain: list[torch.Tensor] = []
-    dist_sq: list[torch.Tensor] = []
+    sharded: dict[tuple[Any, tuple[Any, ...]], list[torch.Tensor]] = {}
     for t in tensors:
         if hasattr(t, "full_tensor"):
-            n = torch.linalg.vector_norm(t, dtype=torch.float32)
-            full: Callable[[], torch.Tensor] = getattr(n, "full_tensor")  # noqa: B009
-            dist_sq.append(full() ** 2)
+            key = (getattr(t, "device_mesh"), tuple(getattr(t, "placements")))  # noqa: B009
+            sharded.setdefault(key, []).append(local(t))
         else:
             plain.append(t)
     parts: list[torch.Tensor] = []
-    by_dev: dict[torch.device, list[torch.Tensor]] = {}
+    for (mesh, placements), locs in sharded.items():
+        # one collective per (mesh, placements) group, not per leaf: sum the local
+        # squared norms over sharded mesh dims, keep them over replicated ones.
+        parts.append(_reduce_sq_norm(locs, mesh, placements))
+    by_dev: dict[tuple[torch.device, bool], list[torch.Tensor]] = {}
     for t in plain:
-        by_dev.setdefault(t.device, []).append(t)
-    device = tensors[0].device if not dist_sq else dist_sq[0].device
+        by_dev.setdefault((t.device, t.dtype == torch.float64), []).append(t)
+    device = parts[0].device if parts else tensors[0].device
     for dev_tensors in by_dev.values():
-        norms = torch._foreach_norm(dev_tensors, 2, dtype=torch.float32)
+        norms = _foreach_norm32(dev_tensors)
         parts.append(torch.linalg.vector_norm(torch.stack(norms)).to(device) ** 2)
-    parts.extend(d.to(device) for d in dist_sq)
-    return torch.stack(parts).sum().sqrt()
+    return torch.stack([p.to(device) for p in parts]).sum().sqrt()
+
+
+def _foreach_norm32(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Per-tensor L2 norms as float32, accumulated in at least float32 (float64 stays float64)."""
+    if tensors[0].dtype == torch.float64:
+        return [n.to(torch.float32) for n in torch._foreach_norm(tensors, 2)]
+    return list(torch._foreach_norm(tensors, 2, dtype=torch.float32))
+
+
+def _reduce_sq_norm(
+    locs: list[torch.Tensor], mesh: Any, placements: tuple[Any, ...]
+) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+    by_kind: dict[bool, list[torch.Tensor]] = {}
+    for t in locs:
+        by_kind.setdefault(t.dtype == torch.float64, []).append(t)
+    sq = sum(
+        ((torch.stack(_foreach_norm32(ts)) ** 2).sum() for ts in by_kind.values()),
+        torch.zeros((), device=locs[0].device),
+    )
+    reduce = [Partial("sum") if isinstance(p, Shard) else Replicate() for p in placements]
+    full: torch.Tensor = DTensor.from_local(sq, mesh, reduce, run_check=False).full_tensor()
+    return full
 
 
 def assert_same_structure(
@@ -232,6 +363,12 @@ def assert_same_structure(
         >>> a = TensorDict({"w": torch.ones(2)}, [])
         >>> assert_same_structure(a, a.clone())
     """
+    if (
+        type(expected) is TensorDict
+        and type(actual) is TensorDict
+        and _same_structure(expected, actual, check_shapes)
+    ):
+        return
     ep, ap = paths(expected), paths(actual)
     if ep != ap:
         missing = sorted(set(ep) - set(ap))
@@ -262,4 +399,4 @@ def map_leaves(fn: Callable[..., Any], *tds: TensorDictBase) -> TensorDict:
         >>> map_leaves(torch.add, a, a)["w"]
         tensor([2., 2.])
     """
-    return tds[0].apply(fn, *tds[1:])  # type: ignore[no-any-return]
+    return cast(TensorDict, tds[0].apply(fn, *tds[1:]))

@@ -10,6 +10,7 @@ from tensordict import TensorDict, TensorDictBase
 from purestep import tree
 from purestep.step._batch import batch_size, with_index
 from purestep.step._grad import GradFn, Microbatch, is_bound, microbatch_scope
+from purestep.step._sink import GradSink, sink_scope
 
 __all__ = ["accumulate", "microbatch_sizes"]
 
@@ -41,6 +42,16 @@ def _add_(acc: list[torch.Tensor], new: list[torch.Tensor], w: float) -> None:
         torch._foreach_add_([tree.local(t) for t in acc], [tree.local(t) for t in new], alpha=w)
 
 
+def _is_sink(sink: GradSink, role: str, leaves: list[torch.Tensor]) -> bool:
+    """Whether ``leaves`` are the sink's accumulators for ``role`` (already weighted and summed)."""
+    acc = sink.acc.get(role)
+    return (
+        acc is not None
+        and len(acc) == len(leaves)
+        and all(a is b for a, b in zip(acc, leaves, strict=True))
+    )
+
+
 def accumulate(grad_fn: GradFn, k: int) -> GradFn:
     """Split the batch into ``k`` microbatches and combine grads and metrics as the full-batch mean.
 
@@ -64,10 +75,10 @@ def accumulate(grad_fn: GradFn, k: int) -> GradFn:
         >>> import torch
         >>> from tensordict import TensorDict
         >>> from purestep import value_and_grad
-        >>> gf = value_and_grad(lambda p, b, key: ((p["w"] * b["x"]).mean(), {}))
-        >>> p = TensorDict({"w": torch.ones(1)}, [])
+        >>> gf = value_and_grad(lambda p, b, key: ((p["m", "w"] * b["x"]).mean(), {}))
+        >>> p = TensorDict({"m": {"w": torch.ones(1)}}, [])
         >>> b = TensorDict({"x": torch.arange(4.0)}, [4])
-        >>> accumulate(gf, 2)(p, b, torch.tensor(0))[0]["w"]
+        >>> accumulate(gf, 2)(p, b, torch.tensor(0))[0]["m", "w"]
         tensor([1.5000])
     """
     if not isinstance(k, int) or k < 1:
@@ -89,12 +100,13 @@ def accumulate(grad_fn: GradFn, k: int) -> GradFn:
         metrics: TensorDict | None = None
         g_acc: dict[str, list[torch.Tensor]] = {}
         m_acc: list[torch.Tensor] = []
+        sink = GradSink()
         start = 0
         for i, n in enumerate(sizes):
             mb = batch[start : start + n]
             start += n
             w = n / b
-            with microbatch_scope(Microbatch(index=i, count=k, weight=w)):
+            with microbatch_scope(Microbatch(index=i, count=k, weight=w)), sink_scope(sink, w):
                 g, m = grad_fn(params, mb, key, roles=roles)
             m_leaves = [
                 t.to(torch.float32) if not t.is_floating_point() else t for t in tree.leaves(m)
@@ -104,15 +116,19 @@ def accumulate(grad_fn: GradFn, k: int) -> GradFn:
                 m_acc = tree.leaves(metrics)
             else:
                 _add_(m_acc, m_leaves, w)
+            leaves: list[torch.Tensor] = []
             for role_key in g.keys():
                 role = str(role_key)
                 leaves = tree.leaves(g.get(role))
                 if is_bound(params.get(role)):
                     # already the weighted sum, harvested on the last microbatch
                     g_acc[role] = leaves
+                elif _is_sink(sink, role, leaves):
+                    g_acc[role] = sink.acc[role]  # folded in during backward (_sink.py)
                 elif role not in g_acc:
                     _scale_(leaves, w)
                     g_acc[role] = leaves
+                    sink.blocked.add(role)
                 else:
                     _add_(g_acc[role], leaves, w)
             if grads is None:
@@ -121,6 +137,7 @@ def accumulate(grad_fn: GradFn, k: int) -> GradFn:
                 for new_role in g.keys():
                     if new_role not in grads.keys():
                         grads.set(new_role, g.get(new_role))
+            del g, m, m_leaves, leaves  # free this microbatch's grads before the next backward
         assert grads is not None and metrics is not None
         return grads, metrics
 

@@ -25,6 +25,8 @@ from tensordict import TensorDict, TensorDictBase
 from torch import nn
 
 from purestep import tree
+from purestep.step._sink import GradSink, take_sink
+from purestep.step._swap import swapped
 
 __all__ = [
     "GradFn",
@@ -98,7 +100,7 @@ def register_bound_backward_hook(hook: BoundBackwardHook) -> None:
     microbatch only. Registering the same hook twice has no effect.
 
     Example:
-        >>> register_bound_backward_hook(lambda leaves, mb: None)
+        >>> register_bound_backward_hook(lambda leaves, mb: None)  # doctest: +SKIP
     """
     if hook not in _BOUND_HOOKS:
         _BOUND_HOOKS.append(hook)
@@ -111,7 +113,7 @@ def register_bound_metrics_hook(hook: BoundMetricsHook) -> None:
     data-parallel ranks, so a bound step logs the same loss as one process.
 
     Example:
-        >>> register_bound_metrics_hook(lambda leaves, metrics: metrics)
+        >>> register_bound_metrics_hook(lambda leaves, metrics: metrics)  # doctest: +SKIP
     """
     if hook not in _BOUND_METRICS_HOOKS:
         _BOUND_METRICS_HOOKS.append(hook)
@@ -196,6 +198,13 @@ def call(module: nn.Module, params: TensorDictBase, *args: Any, **kwargs: Any) -
     buffers) are the module's own. When ``params`` are the module's own
     ``nn.Parameter`` objects (a bound role) the module is called directly.
 
+    FSDP-managed modules cannot take other params (FSDP registers its own in
+    forward), so DTensor ``params`` that are not the bound parameters must be
+    *detached views* of them (``params.detach()``), used under
+    ``torch.no_grad()``: the module is then called directly. Anything else
+    (other weights such as an EMA copy, or detached params with grad enabled)
+    raises ``ValueError``.
+
     Example:
         >>> import torch
         >>> from torch import nn
@@ -205,10 +214,65 @@ def call(module: nn.Module, params: TensorDictBase, *args: Any, **kwargs: Any) -
         >>> call(lin, p, torch.ones(1, 1))
         tensor([[2.]])
     """
-    if is_bound(params):
+    first = next(iter(params.values(include_nested=True, leaves_only=True)), None)
+    if isinstance(first, nn.Parameter):
         return module(*args, **kwargs)
-    with params.to_module(module):
+    if getattr(module, "_is_fsdp_managed_module", False) and hasattr(first, "to_local"):
+        # set by fully_shard on every module it manages
+        _check_detached_bound(module, params)
         return module(*args, **kwargs)
+    with swapped(module, params):  # == params.to_module(module), fast for plain tensors
+        return module(*args, **kwargs)
+
+
+def _storage(t: torch.Tensor) -> tuple[int, int]:
+    loc = tree.local(t)
+    return loc.untyped_storage().data_ptr(), int(loc.storage_offset())
+
+
+def _check_detached_bound(module: nn.Module, params: TensorDictBase) -> None:
+    """DTensor params of an FSDP module must be detached views of its own, used without grad."""
+    if torch.is_grad_enabled():
+        raise ValueError(
+            f"call: {type(module).__name__} got DTensor params that are not its bound "
+            "parameters; an FSDP-sharded module always runs with its own parameters. To stop "
+            "gradients into them, call it under torch.no_grad() (detached views are fine there)"
+        )
+    for path, leaf in zip(tree.paths(params), tree.leaves(params), strict=True):
+        name = ".".join(path)
+        try:
+            own = module.get_parameter(name)
+        except AttributeError:
+            raise ValueError(f"call: {type(module).__name__} has no parameter {name!r}") from None
+        # between iterations FSDP registers the sharded params; if it keeps unsharded ones
+        # (reshard_after_forward=False), the check cannot see the shard and is skipped
+        if hasattr(own, "to_local") and _storage(own) != _storage(leaf):
+            raise ValueError(
+                f"call: param {name!r} is a DTensor that does not share memory with "
+                f"{type(module).__name__}'s own (FSDP-sharded) parameter; an FSDP module "
+                "always runs with its own parameters: copy other weights (e.g. an EMA) into "
+                "them first"
+            )
+
+
+def _with_roles(params: TensorDictBase, new: Mapping[str, TensorDict]) -> TensorDictBase:
+    """``params.copy()`` with the roles in ``new`` replaced (what the loss function sees).
+
+    The top level is built directly for a plain TensorDict (no batch dims, no
+    device): copying the replaced roles' subtrees first would cost ~1 µs per leaf.
+    """
+    if (
+        type(params) is not TensorDict
+        or params.device is not None
+        or params.batch_dims
+        or any(type(v) is not TensorDict for v in params._tensordict.values())
+    ):
+        out = params.copy()
+        for role, td in new.items():
+            out.set(role, td)
+        return out
+    src = {k: new[k] if k in new else v.copy() for k, v in params._tensordict.items()}
+    return TensorDict._new_unsafe(src, batch_size=params.batch_size, nested=False)
 
 
 def _as_metrics(metrics: Mapping[str, Any] | TensorDictBase | None) -> TensorDict:
@@ -259,8 +323,12 @@ def _loss_metrics(loss: torch.Tensor | Mapping[str, torch.Tensor], metrics: Tens
 
 
 def _functional_grads(
-    losses: dict[str, torch.Tensor], leaves: dict[str, list[torch.Tensor]]
+    losses: dict[str, torch.Tensor],
+    leaves: dict[str, list[torch.Tensor]],
+    sink: GradSink | None = None,
 ) -> dict[str, list[torch.Tensor]]:
+    if sink is not None and sink.accepts(losses):
+        return sink.backward(losses, leaves)  # accumulate(): fold grads in as they come
     out: dict[str, list[torch.Tensor]] = {}
     distinct = {id(v) for v in losses.values()}
     if len(distinct) == 1 and len(losses) > 0:
@@ -373,9 +441,9 @@ def value_and_grad(loss_fn: LossFn) -> GradFn:
         unknown = [r for r in live if r not in all_roles]
         if unknown:
             raise KeyError(f"roles {unknown} have no params (roles with params: {all_roles})")
-        call_params = params.copy()
         leaves: dict[str, list[torch.Tensor]] = {}
         bound: dict[str, bool] = {}
+        tracked: dict[str, TensorDict] = {}
         for role in live:
             role_params = params.get(role)
             bound[role] = is_bound(role_params)
@@ -383,7 +451,9 @@ def value_and_grad(loss_fn: LossFn) -> GradFn:
                 leaves[role] = tree.leaves(role_params)
             else:
                 leaves[role] = [t.detach().requires_grad_(True) for t in tree.leaves(role_params)]
-                call_params.set(role, tree.rebuild(role_params, leaves[role]))
+                tracked[role] = tree.rebuild(role_params, leaves[role])
+        call_params = _with_roles(params, tracked)
+        sink = take_sink()  # before loss_fn, so that nested grad_fn calls do not take it
         token = _LIVE.set(frozenset(live))
         try:
             with torch.enable_grad():
@@ -391,7 +461,7 @@ def value_and_grad(loss_fn: LossFn) -> GradFn:
                 losses = _role_losses(loss, live)
                 func = {r: v for r, v in losses.items() if not bound[r]}
                 bnd = {r: v for r, v in losses.items() if bound[r]}
-                grad_lists = _functional_grads(func, leaves) if func else {}
+                grad_lists = _functional_grads(func, leaves, sink) if func else {}
                 if bnd:
                     idle = [
                         t

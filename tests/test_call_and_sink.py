@@ -1,0 +1,108 @@
+"""The fast paths behind call() and accumulate() behave like the plain ones they replace."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from tensordict import TensorDict, TensorDictBase
+from torch import nn
+
+import purestep as ps
+from purestep.step import _grad
+
+
+class Net(nn.Module):
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        self.a = nn.Linear(3, 4)
+        self.b = nn.Linear(4, 2)
+        self.unused = nn.Linear(2, 2)
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=g))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x)))  # type: ignore[no-any-return]
+
+
+def _setup() -> tuple[Net, Net, TensorDict, TensorDict]:
+    s, t = Net(0), Net(1)
+    params = TensorDict({"s": ps.params_of("s", s), "t": ps.params_of("t", t)}, [])
+    g = torch.Generator().manual_seed(2)
+    batch = TensorDict(
+        {"x": torch.randn(7, 3, generator=g), "y": torch.randn(7, 2, generator=g)}, [7]
+    )
+    return s, t, params, batch
+
+
+def test_call_with_frozen_params_builds_no_graph() -> None:
+    """Params that do not require grad (a frozen teacher) are used as they are: no autograd graph."""
+    net = Net(0)
+    out = ps.call(net, ps.params_of("t", net), torch.ones(2, 3))
+    assert not out.requires_grad
+
+
+def test_call_restores_the_modules_own_parameters_even_on_error() -> None:
+    """After call() (also one that raises) the module holds exactly its own Parameter objects."""
+    net = Net(0)
+    own = [id(p) for p in net.parameters()]
+    params = ps.params_of("s", net).apply(lambda t: t.requires_grad_())
+    ps.call(net, params, torch.ones(2, 3))
+    with pytest.raises(RuntimeError):
+        ps.call(net, params, torch.ones(2, 5))  # wrong input width
+    assert [id(p) for p in net.parameters()] == own
+    assert all(isinstance(p, nn.Parameter) for p in net.parameters())
+
+
+def test_call_output_and_grads_equal_to_module_call() -> None:
+    """call() gives the same output and grads as TensorDict.to_module."""
+    net = Net(0)
+    p1 = ps.params_of("s", net).apply(lambda t: t.requires_grad_())
+    p2 = ps.params_of("s", net).apply(lambda t: t.requires_grad_())
+    x = torch.ones(2, 3)
+    y1 = ps.call(net, p1, x)
+    with p2.to_module(net):
+        y2 = net(x)
+    assert torch.equal(y1, y2)
+    g1 = torch.autograd.grad(y1.sum(), list(p1.values(True, True)), allow_unused=True)
+    g2 = torch.autograd.grad(y2.sum(), list(p2.values(True, True)), allow_unused=True)
+    for a, b in zip(g1, g2, strict=True):
+        assert (a is None and b is None) or torch.equal(a, b)
+
+
+def _run(
+    loss_kind: str, k: int, roles: list[str] | None, sink: bool, mp: pytest.MonkeyPatch
+) -> Any:
+    s, t, params, batch = _setup()
+
+    def loss_fn(p: TensorDictBase, b: TensorDictBase, key: torch.Tensor) -> Any:
+        ls = ((ps.call(s, p["s"], b["x"]) - b["y"]) ** 2).mean()
+        lt = ((ps.call(t, p["t"], b["x"]) + b["y"]) ** 2).mean()
+        if loss_kind == "single":
+            return ls + lt, {"m": ls.detach()}
+        return {"s": ls, "t": lt}, {}
+
+    if not sink:
+        mp.setattr(_grad, "take_sink", lambda: None)
+    return ps.accumulate(ps.value_and_grad(loss_fn), k)(params, batch, torch.tensor(0), roles=roles)
+
+
+@pytest.mark.parametrize("loss_kind", ["single", "per_role"])
+@pytest.mark.parametrize("k", [2, 3, 7])
+@pytest.mark.parametrize("roles", [None, ["s"]])
+def test_accumulating_in_backward_hooks_is_bitwise_equal_to_summing_grad_lists(
+    loss_kind: str, k: int, roles: list[str] | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The grad sink (fold grads as backward makes them) == collecting then adding, bitwise."""
+    g1, m1 = _run(loss_kind, k, roles, True, monkeypatch)
+    with monkeypatch.context() as mp:
+        g0, m0 = _run(loss_kind, k, roles, False, mp)
+    assert sorted(g0.keys(True, True)) == sorted(g1.keys(True, True))
+    for key in g0.keys(True, True):
+        assert torch.equal(g0[key], g1[key]), key
+    for key in m0.keys(True, True):
+        assert torch.equal(m0[key], m1[key]), key
+    assert (g1["s", "unused", "weight"] == 0).all()
