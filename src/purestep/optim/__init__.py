@@ -11,21 +11,37 @@ Example:
 """
 
 from purestep.optim import schedules
+from purestep.optim._adam import adam, adamw
 from purestep.optim._base import (
-    Schedule,
     ScalarOrSchedule,
+    Schedule,
     Transform,
     apply_updates,
     chain,
     current_lr,
 )
+from purestep.optim._clip import clip_by_global_norm
+from purestep.optim._hparams import AdamHParams, ClipHParams, LionHParams, SGDHParams
+from purestep.optim._lion import lion
+from purestep.optim._scale import scale_by_schedule
+from purestep.optim._sgd import sgd
 
 __all__ = [
-    "Schedule",
+    "AdamHParams",
+    "ClipHParams",
+    "LionHParams",
+    "SGDHParams",
     "ScalarOrSchedule",
+    "Schedule",
     "Transform",
+    "adam",
+    "adamw",
     "apply_updates",
     "chain",
+    "clip_by_global_norm",
     "current_lr",
+    "lion",
+    "scale_by_schedule",
     "schedules",
+    "sgd",
 ]

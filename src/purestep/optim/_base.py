@@ -19,7 +19,7 @@ and one entry point that the training step uses:
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import attrs
 import torch
@@ -28,8 +28,8 @@ from tensordict import TensorDict, TensorDictBase
 from purestep import tree
 
 __all__ = [
-    "Schedule",
     "ScalarOrSchedule",
+    "Schedule",
     "Transform",
     "apply_updates",
     "chain",
@@ -155,8 +155,10 @@ def apply_updates(
     ]
     if donate:
         if p_leaves:
-            torch._foreach_add_([tree.local(p) for p in p_leaves], [tree.local(u) for u in u_leaves])
-        return params  # type: ignore[return-value]
+            torch._foreach_add_(
+                [tree.local(p) for p in p_leaves], [tree.local(u) for u in u_leaves]
+            )
+        return cast(TensorDict, params)
     return tree.rebuild(params, torch._foreach_add(p_leaves, u_leaves) if p_leaves else [])
 
 
@@ -195,7 +197,7 @@ def chain(*transforms: Transform) -> Transform:
         new_state = {}
         for i, t in enumerate(transforms):
             grads, new_state[str(i)] = t.update(grads, state[str(i)], params, donate=donate)
-        return grads, TensorDict(new_state, batch_size=[])  # type: ignore[return-value]
+        return cast(TensorDict, grads), TensorDict(new_state, batch_size=[])
 
     def step(
         grads: TensorDictBase,
@@ -236,8 +238,12 @@ def current_lr(opt_state: TensorDictBase) -> torch.Tensor | None:
         >>> float(optim.current_lr(t.init(TensorDict({"w": torch.ones(1)}, []))))
         0.001
     """
-    for path in tree.paths(opt_state):
-        if path[-1] == "lr":
-            value: torch.Tensor = opt_state.get(path)
-            return value
+    for key in opt_state.keys():
+        value = opt_state.get(key)
+        if isinstance(value, TensorDictBase):
+            found = current_lr(value)
+            if found is not None:
+                return found
+        elif key == "lr" and isinstance(value, torch.Tensor):
+            return value  # stops before walking moment trees (they follow "lr")
     return None

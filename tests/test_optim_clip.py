@@ -1,0 +1,179 @@
+"""clip_by_global_norm, chain(clip, adamw), scale_by_schedule, and DTensor leaves."""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tensordict import TensorDict
+
+from purestep import optim, tree
+from purestep.optim import schedules
+
+
+def as_tree(tensors: list[torch.Tensor]) -> TensorDict:
+    return TensorDict({f"m{i}": {"w": t} for i, t in enumerate(tensors)}, batch_size=[])
+
+
+def randn_list(
+    shapes: list[tuple[int, ...]], gen: torch.Generator, scale: float = 1.0
+) -> list[torch.Tensor]:
+    return [torch.randn(s, generator=gen) * scale for s in shapes]
+
+
+shapes_st = st.lists(st.lists(st.integers(1, 5), max_size=3).map(tuple), min_size=1, max_size=4)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    shapes=shapes_st,
+    max_norm=st.floats(0.01, 10.0),
+    scale=st.floats(0.01, 10.0),
+    seed=st.integers(0, 2**31 - 1),
+    donate=st.booleans(),
+)
+def test_clip_matches_torch_clip_grad_norm(
+    shapes: list[tuple[int, ...]], max_norm: float, scale: float, seed: int, donate: bool
+) -> None:
+    """Clipped grads and the logged norm equal torch.nn.utils.clip_grad_norm_'s."""
+    gen = torch.Generator().manual_seed(seed)
+    grads = randn_list(shapes, gen, scale)
+    ps = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
+    for p, g in zip(ps, grads, strict=True):
+        p.grad = g.clone()
+    total = torch.nn.utils.clip_grad_norm_(ps, max_norm)
+    clip = optim.clip_by_global_norm(max_norm)
+    g_td = as_tree([g.clone() for g in grads])
+    out, state = clip.update(g_td, clip.init(g_td), donate=donate)
+    torch.testing.assert_close(state["norm"], total)
+    assert state["norm"].dtype == torch.float32
+    for a, p in zip(tree.leaves(out), ps, strict=True):
+        torch.testing.assert_close(a, p.grad)
+    if donate:
+        assert out is g_td
+    else:
+        for a, g in zip(tree.leaves(g_td), grads, strict=True):
+            assert torch.equal(a, g)
+
+
+@pytest.mark.parametrize("donate", [False, True])
+def test_chain_clip_adamw_matches_torch(donate: bool) -> None:
+    """chain(clip_by_global_norm, adamw) equals clip_grad_norm_ + AdamW over 30 steps."""
+    gen = torch.Generator().manual_seed(7)
+    shapes = [(8, 5), (5,), (3, 3, 2)]
+    init = randn_list(shapes, gen)
+    ps = [torch.nn.Parameter(t.clone()) for t in init]
+    topt = torch.optim.AdamW(ps, lr=0.01, weight_decay=0.05)
+    opt = optim.chain(optim.clip_by_global_norm(0.5), optim.adamw(lr=0.01, weight_decay=0.05))
+    params = as_tree([t.clone() for t in init])
+    state = opt.init(params)
+    for _ in range(30):
+        grads = randn_list(shapes, gen, 2.0)
+        for p, g in zip(ps, grads, strict=True):
+            p.grad = g.clone()
+        total = torch.nn.utils.clip_grad_norm_(ps, 0.5)
+        topt.step()
+        params, state = opt.step(as_tree(grads), state, params, donate=donate)
+        torch.testing.assert_close(state["0", "norm"], total)
+    for a, p in zip(tree.leaves(params), ps, strict=True):
+        torch.testing.assert_close(a, p.detach())
+    assert float(optim.current_lr(state)) == 0.01  # type: ignore[arg-type]
+    assert opt.name == "chain(clip_by_global_norm, adamw)"
+
+
+def test_clip_leaves_small_grads_unchanged() -> None:
+    """Grads whose global norm is below max_norm are returned unchanged (scale 1)."""
+    g = as_tree([torch.tensor([0.3, 0.4])])
+    out, state = optim.clip_by_global_norm(1.0).update(g, TensorDict({}, []))
+    assert torch.equal(out["m0", "w"], g["m0", "w"])
+    assert float(state["norm"]) == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize("donate", [False, True])
+def test_scale_by_schedule_multiplies_by_schedule_of_count(donate: bool) -> None:
+    """Update n is multiplied by schedule(n); count increments; a float is a constant."""
+    sched = schedules.linear(-1.0, -0.2, 4)
+    t = optim.scale_by_schedule(sched)
+    g = as_tree([torch.ones(3), torch.full((2,), 2.0)])
+    state = t.init(g)
+    for n in range(6):
+        src = tree.clone(g)
+        out, state = t.update(src, state, donate=donate)
+        for a, b in zip(tree.leaves(out), tree.leaves(g), strict=True):
+            torch.testing.assert_close(a, b * sched(n))
+        assert int(state["count"]) == n + 1
+        if not donate:
+            assert torch.equal(src["m0", "w"], g["m0", "w"])
+    out, _ = optim.scale_by_schedule(-0.5).update(g, optim.scale_by_schedule(-0.5).init(g))
+    assert torch.equal(out["m1", "w"], torch.full((2,), -1.0))
+
+
+def test_chain_of_scale_by_schedule_is_sgd_with_schedule() -> None:
+    """scale_by_schedule(-lr(n)) on raw grads is plain SGD with that schedule."""
+    lr = schedules.cosine_decay(0.1, 10)
+    t = optim.scale_by_schedule(lambda n: -lr(n))
+    ref = optim.sgd(lr=lr)
+    gen = torch.Generator().manual_seed(0)
+    p1 = p2 = as_tree(randn_list([(4,), (2, 2)], gen))
+    s1, s2 = t.init(p1), ref.init(p2)
+    for _ in range(12):
+        g = as_tree(randn_list([(4,), (2, 2)], gen))
+        p1, s1 = t.step(g, s1, p1)
+        p2, s2 = ref.step(g, s2, p2)
+    for a, b in zip(tree.leaves(p1), tree.leaves(p2), strict=True):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.fixture
+def world1() -> Iterator[Any]:
+    """A one-rank gloo process group and CPU device mesh, for DTensor leaves."""
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not available")
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    from torch.distributed.device_mesh import init_device_mesh
+
+    with tempfile.NamedTemporaryFile() as f:
+        dist.init_process_group("gloo", init_method=f"file://{f.name}", rank=0, world_size=1)
+        try:
+            yield init_device_mesh("cpu", (1,))
+        finally:
+            dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("donate", [False, True])
+def test_dtensor_leaves_match_plain_tensors(world1: Any, donate: bool) -> None:
+    """With sharded DTensor params/grads, chain(clip, adamw) step and update equal the plain run."""
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    gen = torch.Generator().manual_seed(1)
+    w, b = torch.randn(6, 3, generator=gen), torch.randn(3, generator=gen)
+    gw, gb = torch.randn(6, 3, generator=gen), torch.randn(3, generator=gen)
+
+    def sharded(x: torch.Tensor) -> torch.Tensor:
+        return distribute_tensor(x.clone(), world1, [Shard(0)])
+
+    opt = optim.chain(optim.clip_by_global_norm(0.5), optim.adamw(lr=0.1))
+    plain_p = TensorDict({"w": w.clone(), "b": b.clone()}, [])
+    plain_g = TensorDict({"w": gw.clone(), "b": gb.clone()}, [])
+    dist_p = TensorDict({"w": sharded(w), "b": b.clone()}, [])
+    dist_g = TensorDict({"w": sharded(gw), "b": gb.clone()}, [])
+    ref_p, ref_s = opt.step(plain_g, opt.init(plain_p), plain_p)
+    state = opt.init(dist_p)
+    assert isinstance(state["1", "mu", "w"], DTensor)
+    new_p, new_s = opt.step(dist_g, state, dist_p, donate=donate)
+    assert isinstance(new_p["w"], DTensor)
+    torch.testing.assert_close(new_p["w"].full_tensor(), ref_p["w"])
+    torch.testing.assert_close(new_p["b"], ref_p["b"])
+    torch.testing.assert_close(new_s["0", "norm"], ref_s["0", "norm"])
+    if not donate:
+        upd, _ = opt.update(dist_g, opt.init(dist_p), dist_p)
+        assert isinstance(upd["w"], DTensor)
+        ref_u, _ = opt.update(plain_g, opt.init(plain_p), plain_p)
+        torch.testing.assert_close(upd["w"].full_tensor(), ref_u["w"])

@@ -1,0 +1,300 @@
+"""Schedules: closed forms, torch.optim.lr_scheduler equivalents, int vs tensor count, errors."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from purestep.optim import Schedule, schedules
+
+value_st = st.floats(-10.0, 10.0)
+pos_st = st.floats(1e-3, 10.0)
+steps_st = st.integers(1, 200)
+count_st = st.integers(0, 500)
+
+
+def torch_lrs(base: float, make: Callable[[torch.optim.Optimizer], Any], n: int) -> list[float]:
+    """The lr torch uses for updates 0..n-1 when ``scheduler.step()`` follows ``optimizer.step()``."""
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=base)
+    sched = make(opt)
+    out = []
+    for _ in range(n):
+        out.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    return out
+
+
+def assert_seq_close(ours: Schedule, ref: list[float], *, rel: float = 1e-9) -> None:
+    for n, r in enumerate(ref):
+        assert ours(n) == pytest.approx(r, rel=rel, abs=1e-12), f"count {n}"
+
+
+# --- closed forms -----------------------------------------------------------------
+
+
+@settings(max_examples=50, deadline=None)
+@given(value=value_st, n=count_st)
+def test_constant_is_its_value(value: float, n: int) -> None:
+    """constant(v)(n) == v for every count."""
+    assert schedules.constant(value)(n) == value
+
+
+@settings(max_examples=50, deadline=None)
+@given(start=value_st, end=value_st, steps=steps_st, n=count_st)
+def test_linear_closed_form(start: float, end: float, steps: int, n: int) -> None:
+    """linear: start + (end - start) * min(n, steps) / steps; exact at both ends."""
+    s = schedules.linear(start, end, steps)
+    assert s(n) == pytest.approx(start + (end - start) * min(n, steps) / steps, abs=1e-12)
+    assert s(0) == start and s(steps) == end and s(steps + n) == end
+
+
+@settings(max_examples=50, deadline=None)
+@given(init=value_st, end=value_st, steps=steps_st, n=count_st)
+def test_cosine_decay_closed_form(init: float, end: float, steps: int, n: int) -> None:
+    """cosine_decay: end + (init - end) * (1 + cos(pi * min(n, steps) / steps)) / 2."""
+    s = schedules.cosine_decay(init, steps, end=end)
+    expect = end + (init - end) * 0.5 * (1 + math.cos(math.pi * min(n, steps) / steps))
+    assert s(n) == pytest.approx(expect, abs=1e-12)
+    assert s(0) == init and s(steps + n) == pytest.approx(end, abs=1e-12)
+
+
+@st.composite
+def warmup_args(draw: st.DrawFn) -> dict[str, Any]:
+    w = draw(st.integers(0, 50))
+    return {
+        "peak": draw(pos_st),
+        "warmup_steps": w,
+        "total_steps": w + draw(st.integers(1, 100)),
+        "init": draw(st.floats(0.0, 1.0)),
+        "end": draw(st.floats(0.0, 1e-2)),
+    }
+
+
+@settings(max_examples=50, deadline=None)
+@given(args=warmup_args(), n=count_st)
+def test_warmup_cosine_closed_form(args: dict[str, Any], n: int) -> None:
+    """Linear init -> peak over warmup, cosine peak -> end at total_steps, then end."""
+    s = schedules.warmup_cosine(**args)
+    w, t = args["warmup_steps"], args["total_steps"]
+    peak, init, end = args["peak"], args["init"], args["end"]
+    if n < w:
+        expect = init + (peak - init) * n / w
+    else:
+        expect = end + (peak - end) * 0.5 * (1 + math.cos(math.pi * min(n - w, t - w) / (t - w)))
+    assert s(n) == pytest.approx(expect, rel=1e-12, abs=1e-12)
+    assert s(w) == pytest.approx(peak) and s(t + n) == pytest.approx(end, abs=1e-12)
+
+
+@settings(max_examples=50, deadline=None)
+@given(args=warmup_args(), n=count_st)
+def test_warmup_linear_closed_form(args: dict[str, Any], n: int) -> None:
+    """Linear init -> peak over warmup, linear peak -> end at total_steps, then end."""
+    s = schedules.warmup_linear(**args)
+    w, t = args["warmup_steps"], args["total_steps"]
+    peak, init, end = args["peak"], args["init"], args["end"]
+    if n < w:
+        expect = init + (peak - init) * n / w
+    else:
+        expect = peak + (end - peak) * min(n - w, t - w) / (t - w)
+    assert s(n) == pytest.approx(expect, rel=1e-12, abs=1e-12)
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    values=st.lists(value_st, min_size=1, max_size=4),
+    gaps=st.lists(st.integers(0, 30), min_size=3, max_size=3),
+    n=count_st,
+)
+def test_join_shifts_each_later_schedule_by_its_boundary(
+    values: list[float], gaps: list[int], n: int
+) -> None:
+    """join: schedule i sees count - boundaries[i-1] between its boundaries (optax semantics)."""
+    parts = [schedules.linear(v, v + 1.0, 10) for v in values]
+    bounds = [sum(gaps[: i + 1]) for i in range(len(parts) - 1)]
+    s = schedules.join(parts, bounds)
+    i = sum(1 for b in bounds if n >= b)
+    start = bounds[i - 1] if i else 0
+    assert s(n) == parts[i](n - start)
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    init=pos_st,
+    pairs=st.dictionaries(st.integers(0, 100), st.floats(0.0, 2.0), max_size=4),
+    n=count_st,
+)
+def test_piecewise_constant_closed_form(init: float, pairs: dict[int, float], n: int) -> None:
+    """init times the product of the scales of all boundaries <= count."""
+    expect = init
+    for b in sorted(pairs):
+        if n >= b:
+            expect *= pairs[b]
+    assert schedules.piecewise_constant(init, pairs)(n) == pytest.approx(expect, rel=1e-12)
+
+
+# --- torch.optim.lr_scheduler equivalents -------------------------------------------
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    base=pos_st,
+    start=st.floats(0.01, 1.0),
+    end=st.floats(0.0, 1.0),
+    steps=st.integers(1, 40),
+)
+def test_linear_matches_torch_linearlr(base: float, start: float, end: float, steps: int) -> None:
+    """linear(base*start, base*end, steps) == LinearLR(start_factor, end_factor, total_iters)."""
+    ref = torch_lrs(
+        base,
+        lambda o: torch.optim.lr_scheduler.LinearLR(o, start, end, total_iters=steps),
+        steps + 10,
+    )
+    assert_seq_close(schedules.linear(base * start, base * end, steps), ref)
+
+
+@settings(max_examples=20, deadline=None)
+@given(base=pos_st, eta_min=st.floats(0.0, 1e-3), steps=st.integers(1, 60))
+def test_cosine_decay_matches_torch_cosineannealinglr(
+    base: float, eta_min: float, steps: int
+) -> None:
+    """cosine_decay(base, T, end=eta_min) == CosineAnnealingLR(T_max=T, eta_min) up to T."""
+    ref = torch_lrs(
+        base,
+        lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=steps, eta_min=eta_min),
+        steps + 1,
+    )
+    assert_seq_close(schedules.cosine_decay(base, steps, end=eta_min), ref, rel=1e-6)
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    peak=pos_st,
+    init_frac=st.floats(0.01, 1.0),
+    warmup=st.integers(1, 20),
+    decay=st.integers(1, 40),
+    end=st.floats(0.0, 1e-3),
+)
+def test_warmup_cosine_matches_torch_sequentiallr(
+    peak: float, init_frac: float, warmup: int, decay: int, end: float
+) -> None:
+    """warmup_cosine == SequentialLR([LinearLR, CosineAnnealingLR], milestones=[warmup]).
+
+    Also checks ``join(linear, cosine_decay)``, which is the same composition.
+    """
+
+    def make(o: torch.optim.Optimizer) -> Any:
+        lin = torch.optim.lr_scheduler.LinearLR(o, init_frac, 1.0, total_iters=warmup)
+        cos = torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=decay, eta_min=end)
+        return torch.optim.lr_scheduler.SequentialLR(o, [lin, cos], milestones=[warmup])
+
+    ref = torch_lrs(peak, make, warmup + decay + 1)
+    s = schedules.warmup_cosine(peak, warmup, warmup + decay, init=peak * init_frac, end=end)
+    assert_seq_close(s, ref, rel=1e-6)
+    joined = schedules.join(
+        [
+            schedules.linear(peak * init_frac, peak, warmup),
+            schedules.cosine_decay(peak, decay, end=end),
+        ],
+        [warmup],
+    )
+    assert_seq_close(joined, ref, rel=1e-6)
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    base=pos_st,
+    milestones=st.lists(st.integers(1, 50), min_size=1, max_size=4, unique=True),
+    gamma=st.floats(0.05, 1.0),
+)
+def test_piecewise_constant_matches_torch_multisteplr(
+    base: float, milestones: list[int], gamma: float
+) -> None:
+    """piecewise_constant(base, {m: gamma}) == MultiStepLR(milestones, gamma)."""
+    ms = sorted(milestones)
+    ref = torch_lrs(
+        base, lambda o: torch.optim.lr_scheduler.MultiStepLR(o, ms, gamma=gamma), ms[-1] + 5
+    )
+    assert_seq_close(schedules.piecewise_constant(base, {m: gamma for m in ms}), ref)
+
+
+def test_warmup_linear_matches_torch_lambdalr_of_its_closed_form() -> None:
+    """warmup_linear == LambdaLR with the hand-written warmup/decay factor (no torch builtin)."""
+
+    def factor(n: int) -> float:
+        return 0.1 + 0.9 * n / 5 if n < 5 else max(0.0, 1 - (n - 5) / 15)
+
+    ref = torch_lrs(2.0, lambda o: torch.optim.lr_scheduler.LambdaLR(o, factor), 25)
+    assert_seq_close(schedules.warmup_linear(2.0, 5, 20, init=0.2), ref)
+
+
+# --- count types, reprs, errors -----------------------------------------------------
+
+
+ALL_SCHEDULES: list[Schedule] = [
+    schedules.constant(0.3),
+    schedules.linear(1.0, 0.1, 17),
+    schedules.cosine_decay(1.0, 23, end=0.01),
+    schedules.warmup_cosine(1.0, 5, 40, init=0.1, end=0.01),
+    schedules.warmup_linear(1.0, 5, 40),
+    schedules.join([schedules.constant(1.0), schedules.cosine_decay(1.0, 10)], [7]),
+    schedules.piecewise_constant(1.0, {3: 0.5, 9: 0.1}),
+]
+
+
+@settings(max_examples=50, deadline=None)
+@given(i=st.integers(0, len(ALL_SCHEDULES) - 1), n=count_st)
+def test_int_and_int64_tensor_counts_give_equal_floats(i: int, n: int) -> None:
+    """schedule(n) == schedule(tensor(n)) exactly, and the result is a Python float."""
+    s = ALL_SCHEDULES[i]
+    a, b = s(n), s(torch.tensor(n, dtype=torch.int64))
+    assert type(a) is float and type(b) is float and a == b
+
+
+@pytest.mark.parametrize("s", ALL_SCHEDULES, ids=repr)
+def test_repr_names_the_constructor(s: Schedule) -> None:
+    """A schedule's repr reads like the call that built it."""
+    name = repr(s).split("(")[0]
+    assert hasattr(schedules, name)
+
+
+@pytest.mark.parametrize(
+    ("make", "field"),
+    [
+        (lambda: schedules.linear(1.0, 0.0, 0), "steps"),
+        (lambda: schedules.cosine_decay(1.0, -3), "steps"),
+        (lambda: schedules.constant(float("inf")), "value"),
+        (lambda: schedules.warmup_cosine(1.0, 10, 10), "total_steps"),
+        (lambda: schedules.warmup_cosine(1.0, -1, 10), "warmup_steps"),
+        (lambda: schedules.warmup_linear(1.0, 5, 3), "total_steps"),
+        (lambda: schedules.join([schedules.constant(1.0)], [3]), "boundaries"),
+        (lambda: schedules.join([schedules.constant(1.0)] * 3, [5, 2]), "boundaries"),
+        (lambda: schedules.join([], []), "schedules"),
+        (lambda: schedules.piecewise_constant(1.0, [(3, 0.5), (3, 0.1)]), "boundary 3"),
+        (lambda: schedules.piecewise_constant(1.0, {-1: 0.5}), "boundary"),
+        (lambda: schedules.piecewise_constant(1.0, {2: float("nan")}), "scale"),
+    ],
+)
+def test_bad_arguments_fail_naming_the_field(make: Callable[[], Schedule], field: str) -> None:
+    """Invalid schedule arguments raise ValueError mentioning the argument at fault."""
+    with pytest.raises(ValueError, match=field):
+        make()
+
+
+def test_bad_counts_are_rejected() -> None:
+    """Negative counts, float tensors and non-integers are errors, not silent truncation."""
+    s = schedules.linear(1.0, 0.0, 10)
+    with pytest.raises(ValueError, match=">= 0"):
+        s(-1)
+    with pytest.raises(TypeError, match="float"):
+        s(torch.tensor(1.5))
+    with pytest.raises(TypeError):
+        s(1.5)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="int"):
+        schedules.linear(1.0, 0.0, 2.5)  # type: ignore[arg-type]
