@@ -17,7 +17,7 @@ Example:
     >>> state, metrics = step(state, {"x": torch.ones(4, 2), "y": torch.zeros(4, 1)})
 """
 
-from purestep import optim, rng, tree
+from purestep import checkpoint, loop, optim, rng, tree
 from purestep.state import init_state, params_of, roles
 from purestep.step import (
     EMAStep,
@@ -46,9 +46,11 @@ __all__ = [
     "accumulate",
     "apply_gradients",
     "call",
+    "checkpoint",
     "current_microbatch",
     "init_state",
     "live_roles",
+    "loop",
     "optim",
     "params_of",
     "rng",
