@@ -131,14 +131,14 @@ def _crossed(prev: int, new: int, every: int) -> bool:
     return new // every > prev // every
 
 
-def _progress_bar(enabled: bool, start: int, total: int) -> Any:
+def _progress_bar(enabled: bool, start: int, total: int, desc: str) -> Any:
     if not enabled:
         return None
     try:
         tqdm = importlib.import_module("tqdm.auto").tqdm
     except ImportError:
         return None
-    return tqdm(total=total, initial=start, desc="train", dynamic_ncols=True)
+    return tqdm(total=total, initial=start, desc=desc, dynamic_ncols=True, mininterval=0.5)
 
 
 def _short(record: Mapping[str, float]) -> dict[str, str]:
@@ -169,6 +169,7 @@ def run(
     eval_fn: EvalFn | None = None,
     eval_every: int | None = None,
     progress: bool = True,
+    desc: str = "train",
 ) -> TensorDict:
     """Train ``state`` with ``step`` until ``state["step"] == num_steps``; returns the final state.
 
@@ -201,6 +202,7 @@ def run(
         eval_every: run ``eval_fn`` every this many steps (``None``: at the last
             step only).
         progress: show a tqdm progress bar on rank 0 (if tqdm is installed).
+        desc: the progress bar's label.
 
     Metrics: a step's metrics stay on device until a log point; the record then
     holds each metric's mean over the steps since the previous log point that
@@ -291,7 +293,7 @@ def run(
         for sink in out_sinks:
             if callable(start := getattr(sink, "start", None)):
                 start(s)
-        bar = _progress_bar(progress and rank == 0, s, num_steps)
+        bar = _progress_bar(progress and rank == 0, s, num_steps, desc)
 
         def emit(at: int, record: dict[str, float]) -> None:
             for sink in out_sinks:
