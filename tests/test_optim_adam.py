@@ -250,7 +250,12 @@ def test_foreach_fallback_chunked_equals_unchunked(monkeypatch: pytest.MonkeyPat
 @settings(max_examples=15, deadline=None)
 @given(case=adam_cases(), decoupled=st.booleans())
 def test_apply_updates_of_update_is_close_to_step(case: dict[str, Any], decoupled: bool) -> None:
-    """params + update(...) (optax style, out of place) tracks step(...) over 50 steps (fp32)."""
+    """params + update(...) (optax style, out of place) tracks step(...) over 50 steps (fp32).
+
+    ``update`` runs foreach ops in torch's order, ``step`` the fused kernel: the
+    rounding differs, and over 50 steps with e.g. beta2 = 0 (update ~ m / |g|)
+    it compounds to ~1e-4 relative, so this check uses rtol 5e-4 / atol 1e-5.
+    """
     make, _ = factory(decoupled)
     init, grads = make_data(case["shapes"], case["seed"], torch.float32)
     opt = make(**hparams(case))
@@ -262,9 +267,9 @@ def test_apply_updates_of_update_is_close_to_step(case: dict[str, Any], decouple
             upd, state = opt.update(as_tree(gs), state, params, donate=donate)
             params = optim.apply_updates(params, upd)
         for a, b in zip(tree.leaves(params), tree.leaves(p_step), strict=True):
-            torch.testing.assert_close(a, b)
+            torch.testing.assert_close(a, b, rtol=5e-4, atol=1e-5)
         for a, b in zip(tree.leaves(state), tree.leaves(s_step), strict=True):
-            torch.testing.assert_close(a, b)
+            torch.testing.assert_close(a, b, rtol=5e-4, atol=1e-5)
 
 
 def test_lr_schedule_is_used_like_torch_lambdalr() -> None:
