@@ -68,7 +68,7 @@ from torch import nn
 from purestep import rng, tree
 from purestep import state as _state
 from purestep.methods import flow
-from purestep.methods.finetune import build_step
+from purestep.methods._common import build_step
 from purestep.methods.flow import Purpose
 from purestep.optim import Transform
 from purestep.step import EMAStep, LossFn, TrainStep
