@@ -4,48 +4,17 @@ from __future__ import annotations
 
 import itertools
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 from tensordict import TensorDict
-from torch import nn
 
+from _tiny import TinyNet, one_thread  # noqa: F401 (one_thread is a fixture)
 from purestep import optim, rng, testing
 from purestep.methods import flow, kd
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    """Tiny models run fastest on one intra-op thread (and robustly on a busy machine)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-class TinyNet(nn.Module):
-    """v(x_t, t[, label]): a 2-layer MLP, conditional when ``classes`` is set."""
-
-    def __init__(self, hidden: int = 8, classes: int | None = None, seed: int = 0) -> None:
-        super().__init__()
-        g = torch.Generator().manual_seed(seed)
-        self.emb = nn.Embedding(classes + 1, hidden) if classes is not None else None
-        self.inp = nn.Linear(3, hidden)
-        self.out = nn.Linear(hidden, 2)
-        with torch.no_grad():
-            for p in self.parameters():
-                p.copy_(0.5 * torch.randn(p.shape, generator=g))
-
-    def forward(
-        self, x: torch.Tensor, t: torch.Tensor, label: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        h = self.inp(torch.cat([x, t[:, None].to(x.dtype)], 1))
-        if self.emb is not None:
-            assert label is not None
-            h = h + self.emb(label)
-        return self.out(torch.tanh(h))  # type: ignore[no-any-return]
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 STEPS = (1.0, 0.5, 0.25)
