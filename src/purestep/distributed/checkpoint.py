@@ -78,11 +78,11 @@ from typing import Any, Literal, overload
 import torch
 import torch.distributed as dist
 from tensordict import TensorDictBase
-from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from purestep import tree
+from purestep.distributed._storage import RecordReader, RecordWriter
 
 __all__ = [
     "METADATA_FILE",
@@ -647,7 +647,7 @@ def _write(
         _quiet_no_dist()
         dcp_md = dcp_save(
             flat,
-            storage_writer=FileSystemWriter(tmp),
+            storage_writer=RecordWriter(tmp),
             process_group=group,
             no_dist=group is None,
         )
@@ -806,7 +806,7 @@ def _load_flat(
         with torch.no_grad():
             dcp_load(
                 dst,
-                storage_reader=FileSystemReader(path),
+                storage_reader=RecordReader(path),
                 process_group=group,
                 no_dist=group is None,
             )
