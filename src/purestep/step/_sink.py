@@ -7,14 +7,16 @@ makes one more pass over memory than the imperative loop, whose
 ``AccumulateGrad`` adds each gradient while it is still in cache.
 
 With a :class:`GradSink` in scope, the functional path of
-:func:`purestep.value_and_grad` instead runs ``torch.autograd.backward(loss,
-inputs=leaves)`` on its fresh leaves and, in a post-accumulate-grad hook per
-leaf, folds the leaf's grad into the role's accumulator and drops it: on a
-role's first microbatch ``acc = g`` scaled in place by ``w`` (skipped when
-``w == 1``), later ``acc.add_(g, alpha=w)``; a leaf that gets no grad counts
-as zeros. The arithmetic per element is the one ``accumulate`` does on whole
-grad lists (``_foreach_mul_`` / ``_foreach_add_(..., alpha=w)``), so the
-results are equal; only peak memory and memory traffic change.
+:func:`purestep.value_and_grad` instead runs ``torch.autograd.backward(w *
+loss, inputs=leaves)`` on its fresh leaves and, in a post-accumulate-grad hook
+per leaf, folds the leaf's grad into the role's accumulator and drops it: on a
+role's first microbatch the grad becomes the accumulator (no copy), later
+``acc.add_(g)``; a leaf that gets no grad counts as zeros. This is exactly the
+imperative loop's arithmetic (``(loss * w).backward()`` per microbatch into
+``.grad``), so the two agree bit for bit, with no pass over memory to scale
+grads. Scaling the loss instead of the grads rounds differently when ``w`` is
+not a power of two: the result equals the grad-list path of ``accumulate``
+(``_foreach_mul_`` / ``_foreach_add_(..., alpha=w)``) up to float rounding.
 
 A sink serves one ``grad_fn`` call per microbatch (the first that takes it);
 ``accumulate`` uses its accumulators only when the returned grads are them.
@@ -77,11 +79,9 @@ class GradSink:
                 assert g is not None
                 t.grad = None
                 if new:
-                    if w != 1.0:
-                        g.mul_(w)
                     acc[i] = g
                 else:
-                    acc[i].add_(g, alpha=w)
+                    acc[i].add_(g)
                 seen[i] = True
 
             leaves[role][i].register_post_accumulate_grad_hook(hook)  # type: ignore[no-untyped-call]
@@ -89,26 +89,25 @@ class GradSink:
         for r in losses:
             for i in range(len(leaves[r])):
                 hook_for(r, i)
+        def weighted(loss: torch.Tensor) -> torch.Tensor:
+            return loss * w if w != 1.0 else loss
+
         distinct = {id(v) for v in losses.values()}
         if len(distinct) == 1:
             # one scalar loss for every live role: a single backward pass
             flat = [t for r in losses for t in leaves[r]]
-            torch.autograd.backward(next(iter(losses.values())), inputs=flat)
+            torch.autograd.backward(weighted(next(iter(losses.values()))), inputs=flat)
         else:
             items = list(losses.items())
             for j, (role, loss) in enumerate(items):
-                torch.autograd.backward(loss, inputs=leaves[role], retain_graph=j < len(items) - 1)
+                torch.autograd.backward(
+                    weighted(loss), inputs=leaves[role], retain_graph=j < len(items) - 1
+                )
         for r in losses:
             acc = self.acc[r]
             for i, seen in enumerate(got[r]):
-                if not seen:  # no grad reached this leaf: it counts as zeros
-                    zeros = torch.zeros_like(leaves[r][i])
-                    if news[r]:
-                        if w != 1.0:
-                            zeros.mul_(w)
-                        acc[i] = zeros
-                    else:
-                        acc[i].add_(zeros, alpha=w)
+                if not seen and news[r]:  # no grad reached this leaf: it counts as zeros
+                    acc[i] = torch.zeros_like(leaves[r][i])
         return {r: self.acc[r] for r in losses}
 
 
