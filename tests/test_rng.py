@@ -293,6 +293,26 @@ def test_fold_in_vectorises_elementwise(seed: int, d: list[int]) -> None:
         assert torch.equal(rng.fold_in(k, torch.tensor(x)), rng.fold_in(k, x))
 
 
+@settings(max_examples=50, deadline=None)
+@given(
+    key=st.integers(-(2**63), 2**63 - 1),
+    d=st.lists(st.integers(-(2**63), 2**64 - 1), max_size=4),
+    as_tensor=st.booleans(),
+)
+def test_fold_in_host_fast_path_equals_the_tensor_path(
+    key: int, d: list[int], as_tensor: bool
+) -> None:
+    """A 0-dim CPU key (folded in Python ints) gives the words of the same key as a 1-elem tensor."""
+    k = torch.tensor(key, dtype=torch.int64)
+    data: list[int | torch.Tensor] = list(d)
+    if as_tensor:  # 0-dim int64 data take the fast path too (values below 2**63 only)
+        data = [torch.tensor(x if x < 2**63 else x - 2**64) for x in d]
+    fast = rng.fold_in(k, *data)
+    slow = rng.fold_in(k.reshape(1), *data)[0]
+    assert fast.dtype == torch.int64 and fast.shape == ()
+    assert torch.equal(fast, slow)
+
+
 def test_fold_in_and_split_shapes_and_purity() -> None:
     """0-dim in, 0-dim out; split gives (n,) keys; prefix-stable; inputs are not mutated."""
     k = rng.key(1)

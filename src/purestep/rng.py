@@ -268,6 +268,22 @@ def key(seed: int) -> torch.Tensor:
     return _mix_(torch.tensor(_signed(s + _G), dtype=torch.int64))
 
 
+def _mix_int(z: int) -> int:
+    """:func:`_mix_` on one unsigned 64-bit word held in a Python int."""
+    z ^= z >> 30
+    z = (z * _M1) % _U64
+    z ^= z >> 27
+    z = (z * _M2) % _U64
+    return z ^ (z >> 31)
+
+
+def _host_scalar(d: object) -> bool:
+    """An int, or a 0-dim int64 CPU tensor (whose value can be read without a device sync)."""
+    if isinstance(d, torch.Tensor):
+        return d.dim() == 0 and d.dtype == torch.int64 and d.device.type == "cpu"
+    return isinstance(d, int) and not isinstance(d, bool)
+
+
 def _datum(d: object, i: int, dev: torch.device) -> torch.Tensor:
     if isinstance(d, torch.Tensor):
         if d.dtype != torch.int64:
@@ -300,6 +316,17 @@ def fold_in(key: torch.Tensor, *data: int | torch.Tensor) -> torch.Tensor:
         True
     """
     k = _check_key(key, "fold_in", scalar=False)
+    if k.dim() == 0 and k.device.type == "cpu" and all(_host_scalar(d) for d in data):
+        # one key on the host (the step key): the same words in Python ints, ~10x faster
+        z = int(k) % _U64
+        for i, d in enumerate(data):
+            v = (
+                int(d)
+                if isinstance(d, torch.Tensor)
+                else _as_int(d, f"fold_in: data[{i}]", _I64_MIN, _U64 - 1)
+            )
+            z = _mix_int(z ^ _mix_int((v ^ _FOLD_SALT) % _U64))
+        return torch.tensor(_signed(z), dtype=torch.int64)
     out = k.clone()
     for i, d in enumerate(data):
         t = _datum(d, i, k.device)

@@ -22,6 +22,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, cast
 
@@ -301,6 +302,12 @@ def global_norm(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """
     if not tensors:
         return torch.zeros((), dtype=torch.float32)
+    if all(type(t) is torch.Tensor for t in tensors) and torch.float64 not in {
+        t.dtype for t in tensors
+    }:  # the common case: plain tensors, one foreach and one reduction
+        norms = torch._foreach_norm(tensors, 2, dtype=torch.float32)  # type: ignore[arg-type]
+        with contextlib.suppress(RuntimeError):  # leaves on several devices: general path
+            return torch.linalg.vector_norm(torch.stack(norms))
     plain: list[torch.Tensor] = []
     sharded: dict[tuple[Any, tuple[Any, ...]], list[torch.Tensor]] = {}
     for t in tensors:
