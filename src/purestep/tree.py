@@ -39,6 +39,7 @@ __all__ = [
     "group_by_device_dtype",
     "leaves",
     "local",
+    "map_with_leaves",
     "paths",
     "rebuild",
     "unflatten",
@@ -209,6 +210,47 @@ def _rebuild_plain(like: TensorDict, new: list[torch.Tensor], pos: list[int]) ->
     return out
 
 
+def map_with_leaves(
+    td: TensorDictBase, fn: Callable[[torch.Tensor], torch.Tensor]
+) -> tuple[TensorDict, list[torch.Tensor]]:
+    """``rebuild(td, [fn(t) for t in leaves(td)])`` and that list, in one walk.
+
+    Example:
+        >>> from tensordict import TensorDict
+        >>> new, ls = map_with_leaves(TensorDict({"a": torch.ones(2)}, []), torch.zeros_like)
+        >>> new["a"] is ls[0], ls[0]
+        (True, tensor([0., 0.]))
+    """
+    out: list[torch.Tensor] = []
+    built = _map_plain(td, fn, out) if type(td) is TensorDict else None
+    if built is None:
+        out = [fn(t) for t in leaves(td)]
+        built = rebuild(td, out)
+    return built, out
+
+
+def _map_plain(
+    like: TensorDict, fn: Callable[[torch.Tensor], torch.Tensor], out: list[torch.Tensor]
+) -> TensorDict | None:
+    """:func:`_rebuild_plain` applying ``fn`` to each leaf (appended to ``out``)."""
+    if like._device is not None or like._batch_size:
+        return None
+    src: dict[str, Any] = {}
+    for k, v in like._tensordict.items():
+        if isinstance(v, torch.Tensor):
+            new = src[k] = fn(v)
+            out.append(new)
+        elif type(v) is TensorDict:
+            sub = _map_plain(v, fn, out)
+            if sub is None:
+                return None
+            src[k] = sub
+        else:
+            return None
+    built: TensorDict = TensorDict._new_unsafe(src, batch_size=like._batch_size, nested=False)  # type: ignore[arg-type]
+    return built
+
+
 def unflatten(items: Sequence[tuple[KeyPath, torch.Tensor]]) -> TensorDict:
     """Build a nested TensorDict (batch_size ``[]``) from ``(path, tensor)`` pairs.
 
@@ -305,9 +347,10 @@ def global_norm(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     if all(type(t) is torch.Tensor for t in tensors) and torch.float64 not in {
         t.dtype for t in tensors
     }:  # the common case: plain tensors, one foreach and one reduction
-        norms = torch._foreach_norm(tensors, 2, dtype=torch.float32)  # type: ignore[arg-type]
+        each = torch._foreach_norm(tensors, 2, dtype=torch.float32)  # type: ignore[arg-type]
         with contextlib.suppress(RuntimeError):  # leaves on several devices: general path
-            return torch.linalg.vector_norm(torch.stack(norms))
+            total: torch.Tensor = torch.linalg.vector_norm(torch.stack(each))
+            return total
     plain: list[torch.Tensor] = []
     sharded: dict[tuple[Any, tuple[Any, ...]], list[torch.Tensor]] = {}
     for t in tensors:

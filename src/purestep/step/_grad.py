@@ -275,9 +275,22 @@ def _with_roles(params: TensorDictBase, new: Mapping[str, TensorDict]) -> Tensor
     return TensorDict._new_unsafe(src, batch_size=params.batch_size, nested=False)
 
 
+_NO_DIMS = torch.Size([])
+
+
+def _plain_td(items: dict[str, Any]) -> TensorDict:
+    """``TensorDict(items, batch_size=[])`` for values that are tensors or such TensorDicts.
+
+    Skips the constructor's per-entry checks (batch size, device), which cannot
+    fail for these values and cost ~1 µs per entry.
+    """
+    td: TensorDict = TensorDict._new_unsafe(items, batch_size=_NO_DIMS, nested=False)  # type: ignore[arg-type]
+    return td
+
+
 def _as_metrics(metrics: Mapping[str, Any] | TensorDictBase | None) -> TensorDict:
-    if metrics is None:
-        return TensorDict({}, batch_size=[])
+    if metrics is None or (not isinstance(metrics, TensorDictBase) and not metrics):
+        return _plain_td({})
     if isinstance(metrics, TensorDictBase):
         td = metrics
     else:
@@ -394,6 +407,10 @@ def _bound_grads(
     return out
 
 
+def _grad_leaf(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().requires_grad_(True)
+
+
 def value_and_grad(loss_fn: LossFn) -> GradFn:
     """Turn ``loss_fn(params, batch, key) -> (loss, metrics)`` into a gradient function.
 
@@ -450,8 +467,7 @@ def value_and_grad(loss_fn: LossFn) -> GradFn:
             if bound[role]:
                 leaves[role] = tree.leaves(role_params)
             else:
-                leaves[role] = [t.detach().requires_grad_(True) for t in tree.leaves(role_params)]
-                tracked[role] = tree.rebuild(role_params, leaves[role])
+                tracked[role], leaves[role] = tree.map_with_leaves(role_params, _grad_leaf)
         call_params = _with_roles(params, tracked)
         sink = take_sink()  # before loss_fn, so that nested grad_fn calls do not take it
         token = _LIVE.set(frozenset(live))
@@ -474,9 +490,8 @@ def value_and_grad(loss_fn: LossFn) -> GradFn:
             _LIVE.reset(token)
         metrics = _as_metrics(raw_metrics)
         _loss_metrics(loss, metrics)
-        grads = TensorDict(
-            {r: tree.rebuild(params.get(r), grad_lists[r]) for r in live if r in grad_lists},
-            batch_size=[],
+        grads = _plain_td(
+            {r: tree.rebuild(params.get(r), grad_lists[r]) for r in live if r in grad_lists}
         )
         return grads, metrics
 

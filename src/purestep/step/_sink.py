@@ -89,6 +89,7 @@ class GradSink:
         for r in losses:
             for i in range(len(leaves[r])):
                 hook_for(r, i)
+
         def weighted(loss: torch.Tensor) -> torch.Tensor:
             return loss * w if w != 1.0 else loss
 
