@@ -93,10 +93,10 @@ def _run(
 @pytest.mark.parametrize("loss_kind", ["single", "per_role"])
 @pytest.mark.parametrize("k", [2, 3, 7])
 @pytest.mark.parametrize("roles", [None, ["s"]])
-def test_accumulating_in_backward_hooks_equals_summing_grad_lists(
+def test_accumulating_in_grad_attributes_equals_summing_grad_lists(
     loss_kind: str, k: int, roles: list[str] | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The grad sink (fold grads as backward makes them) == collecting then adding.
+    """The grad sink (autograd accumulates into reused leaves' .grad) == collecting then adding.
 
     The sink scales each microbatch's loss by its weight, the grad-list path the
     grads, so they agree to float rounding (batch of 7: the weights are not powers of two).
@@ -115,7 +115,7 @@ def test_accumulating_in_backward_hooks_equals_summing_grad_lists(
 @pytest.mark.parametrize("k", [1, 2, 3, 7])
 def test_accumulate_is_bitwise_equal_to_the_imperative_accumulation_loop(k: int) -> None:
     """accumulate(value_and_grad(loss), k) == ``(loss_i * n_i / B).backward()`` into ``.grad``."""
-    s, t, params, batch = _setup()
+    s, _t, params, batch = _setup()
 
     def loss_fn(p: TensorDictBase, b: TensorDictBase, key: torch.Tensor) -> Any:
         return ((ps.call(s, p["s"], b["x"]) - b["y"]) ** 2).mean(), {}
@@ -134,3 +134,33 @@ def test_accumulate_is_bitwise_equal_to_the_imperative_accumulation_loop(k: int)
         expected = p.grad if p.grad is not None else torch.zeros_like(p)
         got = grads["s"].get(tuple(name.split(".")))
         assert torch.equal(got, expected), f"{name}: max diff {(got - expected).abs().max()}"
+
+
+def test_a_leaf_reached_on_some_microbatches_only_accumulates_exactly_those() -> None:
+    """Grads of a layer used on odd microbatches only equal the imperative loop's, bitwise."""
+    s, _t, params, batch = _setup()
+
+    def loss_fn(p: TensorDictBase, b: TensorDictBase, key: torch.Tensor) -> Any:
+        odd = ps.step.current_microbatch().index % 2 == 1
+        h = ps.call(s, p["s"], b["x"])
+        if odd:
+            h = h + ps.call(s.unused, p["s", "unused"], h)
+        return ((h - b["y"]) ** 2).mean(), {}
+
+    k = 4
+    grads, _ = ps.accumulate(ps.value_and_grad(loss_fn), k)(
+        params, batch, torch.tensor(0), roles=["s"]
+    )
+    b = batch.batch_size[0]
+    start = 0
+    for i, n in enumerate(ps.step.microbatch_sizes(b, k)):
+        x, y = batch["x"][start : start + n], batch["y"][start : start + n]
+        start += n
+        h = s(x)
+        if i % 2 == 1:
+            h = h + s.unused(h)
+        (((h - y) ** 2).mean() * (n / b)).backward()
+    for name, p in s.named_parameters():
+        assert p.grad is not None
+        got = grads["s"].get(tuple(name.split(".")))
+        assert torch.equal(got, p.grad), name

@@ -411,6 +411,11 @@ def _grad_leaf(t: torch.Tensor) -> torch.Tensor:
     return t.detach().requires_grad_(True)
 
 
+def _make_grad_leaves(params: TensorDictBase) -> tuple[TensorDict, list[torch.Tensor]]:
+    """Fresh requires-grad leaves for ``params`` (sharing memory) and the tree holding them."""
+    return tree.map_with_leaves(params, _grad_leaf)
+
+
 def value_and_grad(loss_fn: LossFn) -> GradFn:
     """Turn ``loss_fn(params, batch, key) -> (loss, metrics)`` into a gradient function.
 
@@ -458,6 +463,7 @@ def value_and_grad(loss_fn: LossFn) -> GradFn:
         unknown = [r for r in live if r not in all_roles]
         if unknown:
             raise KeyError(f"roles {unknown} have no params (roles with params: {all_roles})")
+        sink = take_sink()  # before loss_fn, so that nested grad_fn calls do not take it
         leaves: dict[str, list[torch.Tensor]] = {}
         bound: dict[str, bool] = {}
         tracked: dict[str, TensorDict] = {}
@@ -467,9 +473,12 @@ def value_and_grad(loss_fn: LossFn) -> GradFn:
             if bound[role]:
                 leaves[role] = tree.leaves(role_params)
             else:
-                tracked[role], leaves[role] = tree.map_with_leaves(role_params, _grad_leaf)
+                tracked[role], leaves[role] = (
+                    sink.leaves_for(role, role_params, _make_grad_leaves)
+                    if sink is not None
+                    else _make_grad_leaves(role_params)
+                )
         call_params = _with_roles(params, tracked)
-        sink = take_sink()  # before loss_fn, so that nested grad_fn calls do not take it
         token = _LIVE.set(frozenset(live))
         try:
             with torch.enable_grad():

@@ -1,4 +1,4 @@
-"""Fold each microbatch's grads into the accumulators as backward produces them.
+"""Accumulate microbatch grads the way the imperative loop does: in ``.grad``.
 
 :func:`purestep.accumulate` computes ``acc = sum_i w_i * g_i`` over microbatches.
 Collecting a whole microbatch's grads first (``torch.autograd.grad``) and then
@@ -7,26 +7,29 @@ makes one more pass over memory than the imperative loop, whose
 ``AccumulateGrad`` adds each gradient while it is still in cache.
 
 With a :class:`GradSink` in scope, the functional path of
-:func:`purestep.value_and_grad` instead runs ``torch.autograd.backward(w *
-loss, inputs=leaves)`` on its fresh leaves and, in a post-accumulate-grad hook
-per leaf, folds the leaf's grad into the role's accumulator and drops it: on a
-role's first microbatch the grad becomes the accumulator (no copy), later
-``acc.add_(g)``; a leaf that gets no grad counts as zeros. This is exactly the
-imperative loop's arithmetic (``(loss * w).backward()`` per microbatch into
-``.grad``), so the two agree bit for bit, with no pass over memory to scale
-grads. Scaling the loss instead of the grads rounds differently when ``w`` is
-not a power of two: the result equals the grad-list path of ``accumulate``
-(``_foreach_mul_`` / ``_foreach_add_(..., alpha=w)``) up to float rounding.
+:func:`purestep.value_and_grad` makes its requires-grad leaves once per
+``accumulate`` call (:meth:`GradSink.leaves_for`) and reuses them on every
+microbatch, running ``torch.autograd.backward(w * loss, inputs=leaves)``: the
+first microbatch's grad becomes each leaf's ``.grad`` (no copy), later ones are
+added into it by autograd's own ``AccumulateGrad``, with no Python per leaf.
+This is exactly the imperative loop's arithmetic (``(loss * w).backward()`` per
+microbatch into ``.grad``), so the two agree bit for bit. Scaling the loss
+instead of the grads rounds differently when ``w`` is not a power of two: the
+result equals the grad-list path of ``accumulate`` (``_foreach_mul_`` /
+``_foreach_add_(..., alpha=w)``) up to float rounding. A leaf that no grad
+reaches counts as zeros.
 
 A sink serves one ``grad_fn`` call per microbatch (the first that takes it);
 ``accumulate`` uses its accumulators only when the returned grads are them.
+The leaves are private to the sink, which dies with its ``accumulate`` call.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextvars import ContextVar
+from typing import Any
 
 import attrs
 import torch
@@ -45,6 +48,8 @@ class GradSink:
         blocked: roles that ``accumulate`` accumulates outside the sink (their
             first grads did not come through it); a backward with any of them
             does not use the sink.
+        tracked: ``{role: (params, tracked params, leaves)}``: the requires-grad
+            leaves made for ``params`` on the first microbatch, reused after.
 
     Example:
         >>> GradSink().weight
@@ -55,46 +60,34 @@ class GradSink:
     acc: dict[str, list[torch.Tensor]] = attrs.field(factory=dict)
     taken: bool = False
     blocked: set[str] = attrs.field(factory=set)
+    tracked: dict[str, tuple[Any, Any, list[torch.Tensor]]] = attrs.field(factory=dict)
 
     def accepts(self, losses: dict[str, torch.Tensor]) -> bool:
         """Whether the sink can take the backward of ``losses`` (no blocked role)."""
         return not self.blocked.intersection(losses)
 
+    def leaves_for(
+        self, role: str, params: Any, make: Callable[[Any], tuple[Any, list[torch.Tensor]]]
+    ) -> tuple[Any, list[torch.Tensor]]:
+        """``make(params)`` on the first call for ``role`` (and ``params``), the same result after."""
+        hit = self.tracked.get(role)
+        if hit is not None and hit[0] is params:
+            return hit[1], hit[2]
+        tracked, leaves = make(params)
+        self.tracked[role] = (params, tracked, leaves)
+        self.acc.pop(role, None)
+        return tracked, leaves
+
     def backward(
         self, losses: dict[str, torch.Tensor], leaves: dict[str, list[torch.Tensor]]
     ) -> dict[str, list[torch.Tensor]]:
-        """Backward of ``losses`` into the accumulators; returns ``{role: accumulators}``."""
+        """Backward of ``losses`` into the leaves' ``.grad``; returns ``{role: accumulators}``."""
         w = self.weight
-        news = {r: r not in self.acc for r in losses}
-        for r, new in news.items():
-            if new:
-                self.acc[r] = [torch.empty(0)] * len(leaves[r])
-        got: dict[str, list[bool]] = {r: [False] * len(leaves[r]) for r in losses}
-
-        def hook_for(role: str, i: int) -> None:
-            acc, new, seen = self.acc[role], news[role], got[role]
-
-            def hook(t: torch.Tensor) -> None:
-                g = t.grad
-                assert g is not None
-                t.grad = None
-                if new:
-                    acc[i] = g
-                else:
-                    acc[i].add_(g)
-                seen[i] = True
-
-            leaves[role][i].register_post_accumulate_grad_hook(hook)  # type: ignore[no-untyped-call]
-
-        for r in losses:
-            for i in range(len(leaves[r])):
-                hook_for(r, i)
 
         def weighted(loss: torch.Tensor) -> torch.Tensor:
             return loss * w if w != 1.0 else loss
 
-        distinct = {id(v) for v in losses.values()}
-        if len(distinct) == 1:
+        if len({id(v) for v in losses.values()}) == 1:
             # one scalar loss for every live role: a single backward pass
             flat = [t for r in losses for t in leaves[r]]
             torch.autograd.backward(weighted(next(iter(losses.values()))), inputs=flat)
@@ -105,10 +98,13 @@ class GradSink:
                     weighted(loss), inputs=leaves[role], retain_graph=j < len(items) - 1
                 )
         for r in losses:
-            acc = self.acc[r]
-            for i, seen in enumerate(got[r]):
-                if not seen and news[r]:  # no grad reached this leaf: it counts as zeros
-                    acc[i] = torch.zeros_like(leaves[r][i])
+            acc: list[torch.Tensor] = []
+            for t in leaves[r]:
+                g = t.grad
+                if g is None:  # no grad has reached this leaf yet: zeros, accumulated into later
+                    g = t.grad = torch.zeros_like(t)
+                acc.append(g)
+            self.acc[r] = acc
         return {r: self.acc[r] for r in losses}
 
 
