@@ -165,9 +165,17 @@ def mse(pred: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 StepFn = Callable[[], None]
 
 
-def torch_variant(model: nn.Module, batch: dict[str, torch.Tensor], k: int) -> StepFn:
-    """The imperative loop; ``k`` microbatches accumulate into ``.grad``."""
+def torch_variant(
+    model: nn.Module, batch: dict[str, torch.Tensor], k: int, *, grad_norm: bool = False
+) -> StepFn:
+    """The imperative loop; ``k`` microbatches accumulate into ``.grad``.
+
+    With ``grad_norm`` it also computes the global grad norm before the
+    optimizer step (``torch.nn.utils.get_total_norm``), as a trainer that logs
+    or clips it does: the same work as purestep's default ``grad_norm`` metric.
+    """
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
+    params = list(model.parameters())
     x, y = batch["x"], batch["y"]
     b = x.shape[0]
     sizes = purestep.step.microbatch_sizes(b, k)
@@ -182,6 +190,8 @@ def torch_variant(model: nn.Module, batch: dict[str, torch.Tensor], k: int) -> S
                 xs, ys = x[start : start + n], y[start : start + n]
                 start += n
                 (mse(model(xs), ys) * (n / b)).backward()
+        if grad_norm:
+            torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
         opt.step()
 
     step.model = model  # type: ignore[attr-defined]
@@ -189,7 +199,12 @@ def torch_variant(model: nn.Module, batch: dict[str, torch.Tensor], k: int) -> S
 
 
 def purestep_variant(
-    model: nn.Module, batch: dict[str, torch.Tensor], k: int, *, donate: bool = True
+    model: nn.Module,
+    batch: dict[str, torch.Tensor],
+    k: int,
+    *,
+    donate: bool = True,
+    grad_norm: bool = True,
 ) -> StepFn:
     """``train_step`` over an explicit state; the module's own weights go to ``meta``."""
 
@@ -202,7 +217,7 @@ def purestep_variant(
     grad_fn = purestep.value_and_grad(loss_fn)
     if k > 1:
         grad_fn = purestep.accumulate(grad_fn, k)
-    train = purestep.train_step(grad_fn, opts, donate=donate)
+    train = purestep.train_step(grad_fn, opts, donate=donate, grad_norm=grad_norm)
     holder = {"state": purestep.init_state({"student": model}, opts, seed=0)}
     model.to("meta")  # the state owns the weights; the module is a template
 
@@ -215,8 +230,18 @@ def purestep_variant(
 
 VARIANTS: dict[str, Callable[..., StepFn]] = {
     "torch": torch_variant,
+    "purestep (grad_norm=False)": lambda m, b, k: purestep_variant(m, b, k, grad_norm=False),
+    "torch + grad norm": lambda m, b, k: torch_variant(m, b, k, grad_norm=True),
     "purestep": purestep_variant,
     "purestep (donate=False)": lambda m, b, k: purestep_variant(m, b, k, donate=False),
+}
+# Each purestep variant is compared with the imperative loop that does the same work.
+BASELINE = {
+    "torch": "torch",
+    "purestep (grad_norm=False)": "torch",
+    "torch + grad norm": "torch",
+    "purestep": "torch + grad norm",
+    "purestep (donate=False)": "torch + grad norm",
 }
 
 
@@ -254,7 +279,10 @@ def _quantile(xs: list[float], q: float) -> float:
 def time_case(
     case: str, variants: list[str], rounds: int, steps: int, warmup: int
 ) -> dict[str, Any]:
-    """Interleaved steps: A B, B A, A B, ...; step times and per-pair ratios to ``variants[0]``.
+    """Interleaved steps: A B C, C B A, ...; step times and per-step ratios to each baseline.
+
+    Every variant runs once per step slot, so each purestep variant's time is
+    paired with its :data:`BASELINE` loop's time from the same slot.
 
     Each step is timed by the wall clock and by the process CPU time. With one
     intra-op thread the CPU time leaves out the time the process waits for a
@@ -276,13 +304,14 @@ def time_case(
                 c1, w1 = time.process_time(), time.perf_counter()
                 wall[v].append(w1 - w0)
                 cpu[v].append(c1 - c0)
-    base = variants[0]
     out: dict[str, Any] = {}
     for v in variants:
+        base = BASELINE[v] if BASELINE[v] in wall else variants[0]
         rw = [a / b for a, b in zip(wall[v], wall[base], strict=True)]
         rc = [a / b for a, b in zip(cpu[v], cpu[base], strict=True)]
         dc = [a - b for a, b in zip(cpu[v], cpu[base], strict=True)]
         out[v] = {
+            "vs": base,
             "ms": 1e3 * statistics.median(wall[v]),
             "cpu_ms": 1e3 * statistics.median(cpu[v]),
             "ratio": statistics.median(rw),
@@ -503,21 +532,23 @@ def _reexec_with_malloc_env() -> None:
 
 def table(results: dict[str, dict[str, Any]], mem: dict[tuple[str, str], dict[str, float]]) -> str:
     lines = [
-        "| case | variant | wall ms | wall ratio (IQR) | CPU ms | CPU ratio (IQR) | CPU extra ms "
-        "| target | step peak MB (ratio) | run peak MB | peak RSS MB |",
-        "|---|---|---:|---|---:|---|---:|---|---|---:|---:|",
+        "| case | variant | vs | wall ms | wall ratio (IQR) | CPU ms | CPU ratio (IQR) "
+        "| CPU extra ms | target | step peak MB (ratio) | run peak MB | peak RSS MB |",
+        "|---|---|---|---:|---|---:|---|---:|---|---|---:|---:|",
     ]
     nan = float("nan")
     for case, res in results.items():
         for v, r in res.items():
-            target = "" if v == "torch" or "donate" in v else f"<= {TARGETS[case]:.2f}"
+            is_base = v.startswith("torch")
+            target = "" if is_base or "donate" in v else f"<= {TARGETS[case]:.2f}"
             m = mem.get((case, v), {})
-            base = mem.get((case, "torch"), {}).get("step_peak_mb", nan)
+            base = mem.get((case, r["vs"]), {}).get("step_peak_mb", nan)
             sp = m.get("step_peak_mb", nan)
-            sp_s = f"{sp:.1f}" if v == "torch" else f"{sp:.1f} ({sp / base:.3f})"
+            sp_s = f"{sp:.1f}" if v == r["vs"] else f"{sp:.1f} ({sp / base:.3f})"
             (wl, wh), (cl, ch) = r["ratio_iqr"], r["cpu_ratio_iqr"]
+            vs = "" if v == r["vs"] else r["vs"]
             lines.append(
-                f"| {case} | {v} | {r['ms']:.1f} | {r['ratio']:.3f} ({wl:.2f}-{wh:.2f}) | "
+                f"| {case} | {v} | {vs} | {r['ms']:.1f} | {r['ratio']:.3f} ({wl:.2f}-{wh:.2f}) | "
                 f"{r['cpu_ms']:.1f} | {r['cpu_ratio']:.3f} ({cl:.2f}-{ch:.2f}) | "
                 f"{r['cpu_extra_ms']:+.2f} | {target} | {sp_s} | "
                 f"{m.get('peak_mb', nan):.1f} | {m.get('rss_mb', nan):.0f} |"
@@ -566,7 +597,9 @@ def main() -> None:
         return
     if args.quick:
         args.rounds, args.steps, args.warmup = 3, 3, 2
-    variants = ["torch", "purestep"] + (["purestep (donate=False)"] if args.pure else [])
+    variants = ["torch", "purestep (grad_norm=False)", "torch + grad norm", "purestep"] + (
+        ["purestep (donate=False)"] if args.pure else []
+    )
     print(
         f"torch {torch.__version__}, tensordict, {torch.get_num_threads()} threads, "
         f"{os.cpu_count()} CPUs, rounds={args.rounds}, steps/round={args.steps}",

@@ -122,6 +122,53 @@ def test_resume_latest_continues_to_the_uninterrupted_state(
     assert [r["step"] for r in loop.read_metrics(d / "metrics.jsonl")] == list(range(1, 9))
 
 
+@settings(max_examples=4, deadline=None)
+@given(stop=st.integers(1, 7), save_every=st.sampled_from([1, 2, 3]))
+def test_async_saves_resume_to_the_uninterrupted_state(
+    tmp_path_factory: pytest.TempPathFactory, stop: int, save_every: int
+) -> None:
+    """With async_save, a run to `stop` then a resumed run to 8 == one run to 8, bitwise.
+
+    Every periodic checkpoint is complete and loadable once run returns, and
+    each equals the state of the uninterrupted run at its step.
+    """
+    d = tmp_path_factory.mktemp("run")
+    step, state = _model()
+    data = _batches(2)
+    kw: dict[str, Any] = {"checkpoint_dir": d, "save_every": save_every, "async_save": True}
+    _run(step, snapshot(state), data, num_steps=stop, keep_last=10, **kw)
+    assert ckpt.latest(d) == ckpt.step_dir(d, stop)
+    out = _run(step, snapshot(state), data, num_steps=8, keep_last=10, **kw)
+    assert_trees_equal(out, _hand_loop(step, snapshot(state), data, 8))
+    for path in ckpt.checkpoints(d):
+        at = ckpt.read_metadata(path)["step"]
+        loaded = ckpt.load(path, like=_with_loop_keys(out))
+        del loaded["loop"]
+        assert_trees_equal(loaded, _hand_loop(step, snapshot(state), data, at))
+
+
+def _with_loop_keys(state: TensorDict) -> TensorDict:
+    full = state.copy()
+    full.set("loop", TensorDict({"batches_consumed": torch.tensor(0)}, []))
+    return full
+
+
+def test_async_saves_keep_the_newest_checkpoints(tmp_path: Path) -> None:
+    """With async_save and save_every=1, keep_last newest checkpoints remain when run returns."""
+    step, state = _model()
+    _run(
+        step,
+        snapshot(state),
+        _batches(2),
+        num_steps=6,
+        checkpoint_dir=tmp_path,
+        save_every=1,
+        keep_last=2,
+        async_save=True,
+    )
+    assert [p.name for p in ckpt.checkpoints(tmp_path)] == ["step_00000005", "step_00000006"]
+
+
 def test_resume_from_a_path_replays_the_later_steps(tmp_path: Path) -> None:
     """resume=PATH of an older checkpoint: the later steps are redone (same final state) and
     the log's records after that checkpoint's step are replaced, not duplicated."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -452,3 +453,45 @@ def test_skip_nonfinite_is_donation_safe() -> None:
         ps.init_state({"student": net}, opt, seed=0),
         batches,
     )
+
+
+@pytest.mark.parametrize("donate", [False, True])
+def test_clipping_reuses_the_grad_norm_metric_norm_and_results_are_unchanged(
+    donate: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With clip + grad_norm metric one step takes the grads' norm once; states equal the unshared run.
+
+    The clip's logged norm equals the metric, and the result is bitwise equal to
+    a step whose norms are computed separately (memo disabled).
+    """
+    net = _mlp(3)
+
+    def make() -> tuple[ps.TrainStep, TensorDict]:
+        opt = {"student": optim.chain(optim.clip_by_global_norm(0.05), optim.adamw(lr=1e-2))}
+        step = ps.train_step(ps.value_and_grad(_noisy_loss(net)), opt, donate=donate)
+        return step, ps.init_state({"student": net}, opt, seed=4)
+
+    calls = []
+    inner = tree._global_norm
+
+    def counting(tensors: Any) -> torch.Tensor:
+        calls.append(len(tensors))
+        return inner(tensors)
+
+    step, state = make()
+    with monkeypatch.context() as mp:
+        mp.setattr(tree, "_global_norm", counting)
+        for i in range(3):
+            state, metrics = step(state, _batch(i, 8))
+    assert calls == [len(tree.leaves(state["params", "student"]))] * 3
+    clip_norm = state["opt_state", "student", "0", "norm"]
+    assert torch.equal(clip_norm, metrics["student", "grad_norm"])
+    assert clip_norm.data_ptr() != metrics["student", "grad_norm"].data_ptr()
+
+    step2, state2 = make()
+    with monkeypatch.context() as mp:
+        mp.setattr(tree, "norm_memo", contextlib.nullcontext)
+        for i in range(3):
+            state2, metrics2 = step2(state2, _batch(i, 8))
+    testing.assert_trees_equal(state, state2)
+    testing.assert_trees_equal(metrics, metrics2)

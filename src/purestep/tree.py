@@ -23,7 +23,8 @@ Example:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextvars import ContextVar
 from typing import Any, cast
 
 import torch
@@ -40,6 +41,7 @@ __all__ = [
     "leaves",
     "local",
     "map_with_leaves",
+    "norm_memo",
     "paths",
     "rebuild",
     "unflatten",
@@ -331,6 +333,50 @@ def group_by_device_dtype(
     return groups
 
 
+_NormKey = tuple[tuple[int, int], ...]
+_NORM_MEMO: ContextVar[dict[_NormKey, tuple[Sequence[torch.Tensor], torch.Tensor]] | None] = (
+    ContextVar("purestep_norm_memo", default=None)
+)
+
+
+@contextlib.contextmanager
+def norm_memo() -> Iterator[None]:
+    """Within the block, :func:`global_norm` of the same unchanged tensors is computed once.
+
+    A train step takes the grads' norm for its ``grad_norm`` metric and
+    :func:`~purestep.optim.clip_by_global_norm` takes it again to clip: one
+    more full read of every gradient (and, for sharded grads, one more
+    collective). Inside ``norm_memo()`` the second call returns the first
+    result (a copy of it). Entries are keyed by each tensor's identity *and*
+    version counter, so a tensor modified in place since (clipped grads, say)
+    is a miss.
+
+    Example:
+        >>> g = [torch.tensor([3.0, 4.0])]
+        >>> with norm_memo():
+        ...     a = global_norm(g)
+        ...     global_norm(g)
+        tensor(5.)
+        >>> with norm_memo():
+        ...     a = global_norm(g)
+        ...     _ = g[0].mul_(2)
+        ...     global_norm(g)
+        tensor(10.)
+    """
+    token = _NORM_MEMO.set({})
+    try:
+        yield
+    finally:
+        _NORM_MEMO.reset(token)
+
+
+def _norm_key(tensors: Sequence[torch.Tensor]) -> _NormKey | None:
+    try:
+        return tuple((id(t), t._version) for t in tensors)
+    except (AttributeError, RuntimeError):  # a tensor type without a version counter
+        return None
+
+
 def global_norm(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """The L2 norm of all ``tensors`` taken together, as a float32 0-dim tensor.
 
@@ -344,6 +390,22 @@ def global_norm(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """
     if not tensors:
         return torch.zeros((), dtype=torch.float32)
+    memo = _NORM_MEMO.get()
+    if memo is None:
+        return _global_norm(tensors)
+    key = _norm_key(tensors)
+    if key is None:
+        return _global_norm(tensors)
+    hit = memo.get(key)
+    if hit is None:
+        # the entry keeps the tensors alive, so their ids cannot be reused meanwhile
+        norm = _global_norm(tensors)
+        memo[key] = (list(tensors), norm)
+        return norm
+    return hit[1].clone()  # a 0-dim copy: callers never share (and so alias) one tensor
+
+
+def _global_norm(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     if all(type(t) is torch.Tensor for t in tensors) and torch.float64 not in {
         t.dtype for t in tensors
     }:  # the common case: plain tensors, one foreach and one reduction

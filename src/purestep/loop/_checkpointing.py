@@ -129,14 +129,28 @@ def restore(path: Path, state: TensorDictBase, stream: DataStream) -> TensorDict
     return loaded
 
 
-def save(root: Path, state: TensorDictBase, stream: DataStream, step: int, keep_last: int) -> Path:
-    """Save ``state`` plus the data position at ``step_dir(root, step)``; prune to ``keep_last``."""
+def save(
+    root: Path,
+    state: TensorDictBase,
+    stream: DataStream,
+    step: int,
+    keep_last: int,
+    *,
+    async_: bool = False,
+) -> Path:
+    """Save ``state`` plus the data position at ``step_dir(root, step)``; prune to ``keep_last``.
+
+    With ``async_`` the save is staged and written in the background (see
+    :func:`purestep.checkpoint.save`); the prune then counts only complete
+    checkpoints, so ``keep_last + 1`` may exist until the next save.
+    """
     full = state.copy()
     full.set(LOOP_KEY, TensorDict({"batches_consumed": _scalar(stream.consumed)}, []))
     path = ckpt.step_dir(root, step)
     ckpt.save(
         full,
         path,
+        async_=async_,
         per_rank=TensorDict({LOOP_KEY: stream.per_rank()}, []),
         metadata={"loop": {"batches_consumed": stream.consumed}},
         overwrite=True,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import re
@@ -170,6 +171,7 @@ def run(
     eval_every: int | None = None,
     progress: bool = True,
     desc: str = "train",
+    async_save: bool = False,
 ) -> TensorDict:
     """Train ``state`` with ``step`` until ``state["step"] == num_steps``; returns the final state.
 
@@ -203,6 +205,11 @@ def run(
             step only).
         progress: show a tqdm progress bar on rank 0 (if tqdm is installed).
         desc: the progress bar's label.
+        async_save: write the periodic checkpoints in the background
+            (``purestep.checkpoint.save(..., async_=True)``): the loop is blocked
+            only while the state is copied to CPU buffers. The last step's and a
+            preemption's checkpoints are written synchronously, so every
+            checkpoint is complete when ``run`` returns or raises.
 
     Metrics: a step's metrics stay on device until a log point; the record then
     holds each metric's mean over the steps since the previous log point that
@@ -335,7 +342,7 @@ def run(
                     bar.update(s - prev)
                 if save_now:
                     assert root is not None
-                    save(root, state, stream, s, keep_last)
+                    save(root, state, stream, s, keep_last, async_=async_save and not final)
                     saved_at = s
                 signum = stop.poll()
                 if signum and not final:
@@ -346,7 +353,13 @@ def run(
                         path = ckpt.step_dir(root, s)
                         if saved_at != s:
                             save(root, state, stream, s, keep_last)
+                        ckpt.wait_pending()  # an async save of this very step completes first
                     raise Preempted(state, signum, path)
+    except BaseException:
+        if async_save:  # the run failed with a save in flight: let it finish (its error is moot)
+            with contextlib.suppress(Exception):
+                ckpt.wait_pending()
+        raise
     finally:
         for sink in out_sinks:
             if callable(close := getattr(sink, "close", None)):

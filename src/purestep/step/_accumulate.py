@@ -60,12 +60,16 @@ def accumulate(grad_fn: GradFn, k: int) -> GradFn:
     one big batch. Microbatch ``i`` of size ``n_i`` is weighted ``n_i / B``, so the
     result equals the full-batch mean of a per-sample-mean loss up to float
     summation order, also when ``B`` is not divisible by ``k``. Metrics are
-    combined with the same weights. Peak memory holds one grads buffer: the first
-    microbatch's grads are scaled in place and later ones added into them.
+    combined with the same weights. Peak memory holds one grads buffer.
 
-    Bound (FSDP) roles accumulate in ``.grad`` instead: each microbatch's loss is
-    weighted before ``backward()``, gradient sync runs on the last one only, and
-    the grads are harvested once.
+    With ``grad_fn`` from :func:`purestep.value_and_grad`, each microbatch's
+    loss is weighted before its backward and autograd accumulates the grads in
+    ``.grad`` of requires-grad leaves shared by the microbatches: exactly the
+    imperative loop ``(loss_i * n_i / B).backward()`` (bitwise equal). Grads
+    from any other ``grad_fn`` are scaled and added as lists.
+
+    Bound (FSDP) roles accumulate in their ``.grad`` too; gradient sync runs on
+    the last microbatch only, and the grads are harvested once.
 
     Args:
         grad_fn: from :func:`purestep.value_and_grad` (must return fresh grad tensors).
@@ -124,7 +128,7 @@ def accumulate(grad_fn: GradFn, k: int) -> GradFn:
                     # already the weighted sum, harvested on the last microbatch
                     g_acc[role] = leaves
                 elif _is_sink(sink, role, leaves):
-                    g_acc[role] = sink.acc[role]  # folded in during backward (_sink.py)
+                    g_acc[role] = sink.acc[role]  # accumulated in .grad by backward (_sink.py)
                 elif role not in g_acc:
                     _scale_(leaves, w)
                     g_acc[role] = leaves

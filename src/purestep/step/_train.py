@@ -142,6 +142,11 @@ class TrainStep:
         return state
 
     def __call__(self, state: TensorDictBase, batch: Batch) -> tuple[TensorDict, TensorDict]:
+        # the grad-norm metric and clip_by_global_norm share one norm of the same grads
+        with tree.norm_memo():
+            return self._step(state, batch)
+
+    def _step(self, state: TensorDictBase, batch: Batch) -> tuple[TensorDict, TensorDict]:
         state = self.prepare(state)
         batch = with_index(as_batch(batch))
         step = int(state.get("step"))
