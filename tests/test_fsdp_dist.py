@@ -209,9 +209,9 @@ def _kill_during_write(rank: int) -> None:
     """SIGKILL this process (if it is ``rank``) after DCP wrote its data files, before publish."""
     if dist.get_rank() != rank:
         return
-    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+    from purestep.distributed._storage import RecordWriter
 
-    original = FileSystemWriter.write_data
+    original = RecordWriter.write_data
 
     def write_then_die(self: Any, *args: Any, **kwargs: Any) -> Any:
         fut = original(self, *args, **kwargs)
@@ -219,7 +219,7 @@ def _kill_during_write(rank: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
         return fut
 
-    FileSystemWriter.write_data = write_then_die  # type: ignore[method-assign]
+    RecordWriter.write_data = write_then_die  # type: ignore[method-assign]
 
 
 def task_grad_none_during_accumulation(cfg: Cfg) -> list[list[bool]]:
