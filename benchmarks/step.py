@@ -17,24 +17,32 @@ Cases (same model, same batch, same initial weights for both variants):
   overhead shows.
 * ``accum``: the ``large`` model, batch 8 x 16, four microbatches of 2.
 
-Variants:
+Variants (same model, same batch, same initial weights), each compared with
+the imperative loop that does the same work:
 
 * ``torch``: ``opt.zero_grad(); loss = loss_fn(model(x), y); loss.backward();
   opt.step()`` with ``torch.optim.AdamW(fused=True)`` (for ``accum``: one
   ``(loss_i * n_i / B).backward()`` per microbatch, then ``opt.step()``).
-* ``purestep``: ``train_step(value_and_grad(loss_fn), {"student": optim.adamw(...)},
-  donate=True)`` with the loss through ``purestep.call(model, params["student"], x)``
-  (for ``accum``: ``accumulate(grad_fn, 4)``). The step also returns metrics
-  (loss, lr, grad_norm) that the torch loop does not compute.
+* ``purestep (grad_norm=False)``, vs ``torch``: ``train_step(value_and_grad(loss_fn),
+  {"student": optim.adamw(...)}, donate=True, grad_norm=False)`` with the loss
+  through ``purestep.call(model, params["student"], x)`` (for ``accum``:
+  ``accumulate(grad_fn, 4)``). It returns the loss and lr metrics; no more
+  work than the loop.
+* ``torch + grad norm``: the loop plus ``torch.nn.utils.get_total_norm`` of the
+  grads before ``opt.step()``, as a trainer that logs or clips the norm does.
+* ``purestep``, vs ``torch + grad norm``: ``train_step`` with its defaults, whose
+  metrics include the global grad norm (one more read of every grad).
+* ``purestep (donate=False)`` (with ``--pure``): the pure step, vs ``torch + grad norm``.
 
 Timing. The machine this was written on has 2 cores and is shared, so timings
-drift by tens of percent over seconds. Both variants are built in this process
-and run *interleaved*: each round runs ``--steps`` timed steps of each variant
-(order alternating between rounds) after warm-up, and records each variant's
-median step time. The table gives the median over rounds of those medians, and
-the ratio is the median over rounds of ``purestep / torch`` measured in the
-same round. glibc's dynamic mmap threshold makes allocating paths pay page
-faults unpredictably, so the script re-executes itself with
+drift by tens of percent over seconds. All variants are built in this process
+and run *interleaved*: each step slot runs one step of every variant (the order
+reversing between slots) after warm-up. The table gives each variant's median
+step time, and the ratio is the median over slots of ``variant / baseline``
+measured in the same slot (so a slow second of the machine hits both). Run it
+on an otherwise idle machine: a second busy process on 2 cores moved the
+``accum`` ratio from 1.00 to 1.05 in one run. glibc's dynamic mmap threshold
+makes allocating paths pay page faults unpredictably, so the script re-executes itself with
 ``MALLOC_MMAP_THRESHOLD_`` and ``MALLOC_TRIM_THRESHOLD_`` fixed when they are
 not set.
 
@@ -617,11 +625,15 @@ def main() -> None:
             file=sys.stderr,
         )
         results[case] = time_case(case, variants, args.rounds, args.steps, args.warmup)
-        if not args.no_memory:
+        print(table({case: results[case]}, mem), file=sys.stderr)  # progress
+    # Memory runs in subprocesses, after all timing: the purestep accum step timed
+    # right after them once ran ~4% slower (an after-effect not pinned down; the
+    # same run without them, or the case alone, gave 0.99-1.00).
+    if not args.no_memory:
+        for case in cases:
             for v in variants:
                 mem[case, v] = measure_memory(case, v, "profiler")
                 mem[case, v]["rss_mb"] = measure_memory(case, v, "rss")["peak_mb"]
-        print(table({case: results[case]}, mem), file=sys.stderr)  # progress
     print(table(results, mem))
 
 
