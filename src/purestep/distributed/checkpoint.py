@@ -61,27 +61,53 @@ Example:
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import datetime
 import json
 import os
-import re
 import shutil
-import threading
 import uuid
-import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal, overload
 
 import torch
-import torch.distributed as dist
 from tensordict import TensorDictBase
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from purestep import tree
+from purestep.distributed._ckpt_async import (
+    SaveHandle,
+    _stage,
+    release_staging_buffers,
+    submit,
+    wait_pending,
+)
+from purestep.distributed._ckpt_group import (
+    _gather,
+    _group,
+    _quiet_no_dist,
+    _raise_agreed,
+    _rank,
+    _world,
+)
+from purestep.distributed._ckpt_paths import (
+    _FORMAT,
+    _FORMAT_VERSION,
+    _OLD,
+    _RANK_KEY,
+    _RANK_PREFIX,
+    _TMP,
+    METADATA_FILE,
+    _remove,
+    checkpoints,
+    is_complete,
+    latest,
+    prune,
+    read_metadata,
+    step_dir,
+)
 from purestep.distributed._storage import RecordReader, RecordWriter
 
 __all__ = [
@@ -99,200 +125,6 @@ __all__ = [
     "step_dir",
     "wait_pending",
 ]
-
-METADATA_FILE = "metadata.json"
-"""Name of the file that marks a directory as a complete purestep checkpoint."""
-
-_FORMAT = "purestep.checkpoint"
-_FORMAT_VERSION = 1
-_TMP = ".tmp-"
-_OLD = ".old-"
-_DEL = ".del-"
-_RANK_PREFIX = "__rank_"
-_RANK_KEY = re.compile(r"^__rank_(\d+)__\.(.+)$")
-_NO_DIST_WARNING = r"torch\.distributed is disabled, unavailable or uninitialized"
-
-
-# -- names and metadata ------------------------------------------------------------------------
-
-
-def step_dir(root: str | os.PathLike[str], step: int) -> Path:
-    """The conventional checkpoint directory for ``step``: ``root/step_00000100``.
-
-    Zero-padded so that names sort like steps.
-
-    Example:
-        >>> step_dir("/ckpt", 100).as_posix()
-        '/ckpt/step_00000100'
-    """
-    if step < 0:
-        raise ValueError(f"step must be >= 0, got {step}")
-    return Path(root) / f"step_{step:08d}"
-
-
-def _is_scratch(name: str) -> bool:
-    return _TMP in name or _OLD in name or _DEL in name
-
-
-def read_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """The parsed ``metadata.json`` of the complete checkpoint at ``path``.
-
-    Raises:
-        FileNotFoundError: ``path`` has no ``metadata.json`` (not a checkpoint,
-            or one whose save never finished).
-        ValueError: the file is not a complete purestep checkpoint's metadata.
-
-    Example:
-        >>> import tempfile
-        >>> try:
-        ...     read_metadata(tempfile.mkdtemp())
-        ... except FileNotFoundError as e:
-        ...     print(str(e).split(":")[0])
-        not a purestep checkpoint
-    """
-    p = Path(path)
-    f = p / METADATA_FILE
-    if not f.is_file():
-        raise FileNotFoundError(f"not a purestep checkpoint: {p} (no {METADATA_FILE})")
-    try:
-        md = json.loads(f.read_text())
-    except (OSError, ValueError) as e:
-        raise ValueError(f"not a purestep checkpoint: {p} (unreadable {METADATA_FILE}: {e})") from e
-    if not isinstance(md, dict) or md.get("format") != _FORMAT:
-        raise ValueError(f"not a purestep checkpoint: {p} ({METADATA_FILE} has no purestep format)")
-    if md.get("complete") is not True:
-        raise ValueError(f"incomplete purestep checkpoint: {p} ({METADATA_FILE} lacks the marker)")
-    return md
-
-
-def is_complete(path: str | os.PathLike[str]) -> bool:
-    """Whether ``path`` is a finished checkpoint (valid metadata, not a scratch name).
-
-    Example:
-        >>> import tempfile
-        >>> is_complete(tempfile.mkdtemp())
-        False
-    """
-    p = Path(path)
-    if _is_scratch(p.name) or not p.is_dir():
-        return False
-    try:
-        read_metadata(p)
-    except (OSError, ValueError):
-        return False
-    return True
-
-
-def _candidates(root: Path) -> list[tuple[int, str, Path]]:
-    """Complete checkpoints under ``root`` as ``(step, name, path)``, oldest first.
-
-    Also accepts ``<name>.old-<token>`` when ``<name>`` is gone: an overwriting
-    save killed between its two renames leaves the replaced checkpoint there.
-    """
-    if not root.is_dir():
-        return []
-    out: list[tuple[int, str, Path]] = []
-    for p in root.iterdir():
-        name = p.name
-        if _OLD in name and _TMP not in name and _DEL not in name:
-            base = name.split(_OLD)[0]
-            if (root / base).exists():
-                continue
-            name = base
-        elif _is_scratch(name):
-            continue
-        try:
-            md = read_metadata(p)
-        except (OSError, ValueError):
-            continue
-        step = md.get("step")
-        out.append((step if isinstance(step, int) else -1, name, p))
-    out.sort(key=lambda c: (c[0], c[1]))
-    return out
-
-
-def checkpoints(root: str | os.PathLike[str]) -> list[Path]:
-    """All complete checkpoints directly under ``root``, oldest first (by step, then name).
-
-    Example:
-        >>> import tempfile
-        >>> checkpoints(tempfile.mkdtemp())
-        []
-    """
-    return [p for _, _, p in _candidates(Path(root))]
-
-
-def latest(root: str | os.PathLike[str]) -> Path | None:
-    """The newest complete checkpoint directly under ``root`` (highest step, ties by name).
-
-    Scratch directories of unfinished saves and directories without a valid
-    ``metadata.json`` are ignored. ``None`` if there is none (or no ``root``).
-
-    Example:
-        >>> import tempfile
-        >>> latest(tempfile.mkdtemp()) is None
-        True
-    """
-    cands = _candidates(Path(root))
-    return cands[-1][2] if cands else None
-
-
-def prune(root: str | os.PathLike[str], keep_last: int) -> list[Path]:
-    """Delete all but the newest ``keep_last`` complete checkpoints, and stale scratch dirs.
-
-    A scratch directory (``*.tmp-*``, ``*.old-*``, ``*.del-*``) is stale unless it belongs to
-    a save that is still in flight in *this* process (an async save not yet
-    finished); so do not run two jobs that save into the same ``root``.
-    Directories that are neither checkpoints nor scratch are left alone; a
-    checkpoint is renamed to a scratch name before it is deleted, so an
-    interrupted prune never leaves a half-deleted directory that looks
-    complete. Safe
-    to call from every rank (losing a race to delete is ignored), but calling
-    it from one rank is enough. Returns the removed paths.
-
-    Example:
-        >>> import tempfile
-        >>> prune(tempfile.mkdtemp(), keep_last=2)
-        []
-    """
-    if keep_last < 0:
-        raise ValueError(f"keep_last must be >= 0, got {keep_last}")
-    r = Path(root)
-    cands = _candidates(r)
-    keep = {p for _, _, p in cands[max(0, len(cands) - keep_last) :]} if keep_last else set()
-    busy = _busy_scratch()
-    doomed = [p for _, _, p in cands if p not in keep]
-    if r.is_dir():
-        doomed += [
-            p
-            for p in r.iterdir()
-            if _is_scratch(p.name)
-            and p not in keep
-            and p.absolute() not in busy
-            and p not in doomed
-        ]
-    removed = []
-    for p in sorted(doomed):
-        if _remove(p):
-            removed.append(p)
-    return removed
-
-
-def _remove(p: Path) -> bool:
-    """Delete a directory so that no moment of the deletion looks like a complete checkpoint.
-
-    A checkpoint is first renamed to a scratch name (atomic), then deleted.
-    Returns whether this call removed it (``False`` if someone else did).
-    """
-    target = p
-    if not _is_scratch(p.name) or _OLD in p.name:
-        target = p.with_name(f"{p.name}{_DEL}{uuid.uuid4().hex[:12]}")
-        try:
-            os.rename(p, target)
-        except FileNotFoundError:
-            return False
-    shutil.rmtree(target, ignore_errors=True)
-    return not p.exists()
 
 
 # -- flattening ----------------------------------------------------------------------------
@@ -365,199 +197,6 @@ def _mismatch_message(
     if wrong:
         lines.append("  mismatched shape or dtype: " + "; ".join(wrong))
     return "\n".join(lines)
-
-
-# -- process groups ------------------------------------------------------------------------
-
-_group_lock = threading.Lock()
-_group_cache: tuple[Any, Any] | None = None  # (default group, checkpoint group)
-
-
-def _group() -> Any:
-    """The dedicated gloo group for checkpoint collectives, or ``None`` without a default group."""
-    global _group_cache
-    if not (dist.is_available() and dist.is_initialized()):
-        return None
-    world = dist.group.WORLD
-    with _group_lock:
-        if _group_cache is None or _group_cache[0] is not world:
-            _group_cache = (world, dist.new_group(backend="gloo"))
-        return _group_cache[1]
-
-
-def _rank(group: Any) -> int:
-    return 0 if group is None else dist.get_rank()
-
-
-def _world(group: Any) -> int:
-    return 1 if group is None else dist.get_world_size()
-
-
-def _gather(group: Any, value: Any) -> list[Any]:
-    """``value`` from every rank, in rank order (``[value]`` without a group)."""
-    if group is None:
-        return [value]
-    out: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, value, group=group)
-    return out
-
-
-_ERRORS: dict[str, type[Exception]] = {
-    "FileExistsError": FileExistsError,
-    "FileNotFoundError": FileNotFoundError,
-    "RuntimeError": RuntimeError,
-    "ValueError": ValueError,
-}
-
-
-def _raise_agreed(group: Any, problem: Exception | None) -> None:
-    """Raise the lowest rank's problem on every rank (so all fail together instead of hanging).
-
-    One collective with a process group; without one, just raises ``problem``.
-    """
-    if group is None:
-        if problem is not None:
-            raise problem
-        return
-    local = None if problem is None else (type(problem).__name__, str(problem))
-    for r, found in enumerate(_gather(group, local)):
-        if found is not None:
-            if r == _rank(group) and problem is not None:
-                raise problem
-            name, msg = found
-            raise _ERRORS.get(name, RuntimeError)(f"(on rank {r}) {msg}")
-
-
-def _quiet_no_dist() -> None:
-    """Silence DCP's 'assuming a single process' warning: purestep decides that explicitly."""
-    for f in warnings.filters:
-        if f[0] == "ignore" and f[1] is not None and f[1].pattern == _NO_DIST_WARNING:
-            return
-    warnings.filterwarnings("ignore", message=_NO_DIST_WARNING, category=UserWarning)
-
-
-# -- async machinery -----------------------------------------------------------------------
-
-_pending_lock = threading.Lock()
-_pending: SaveHandle | None = None
-_executor: concurrent.futures.ThreadPoolExecutor | None = None
-_staging: dict[str, torch.Tensor] = {}
-
-
-class SaveHandle:
-    """The in-flight part of an async :func:`save`: write, ``metadata.json``, rename.
-
-    Invariant: the state's tensors were copied (staged) before the handle was
-    returned, so the caller may overwrite them; the checkpoint at :attr:`path`
-    is complete once :meth:`wait` returns on any rank.
-
-    Example:
-        >>> import tempfile, torch
-        >>> from tensordict import TensorDict
-        >>> h = save(TensorDict({"x": torch.ones(1)}, []), tempfile.mkdtemp() + "/c", async_=True)
-        >>> h.wait().name
-        'c'
-    """
-
-    def __init__(
-        self,
-        future: concurrent.futures.Future[Path],
-        path: Path,
-        *,
-        scratch: tuple[Path, ...] = (),
-    ) -> None:
-        self._future = future
-        self.path = path
-        self._scratch = scratch
-
-    def done(self) -> bool:
-        """Whether the background save has finished (successfully or not).
-
-        Example:
-            >>> import tempfile, torch
-            >>> from tensordict import TensorDict
-            >>> h = save(TensorDict({"x": torch.ones(1)}, []), tempfile.mkdtemp() + "/c", async_=True)
-            >>> _ = h.wait(); h.done()
-            True
-        """
-        return self._future.done()
-
-    def wait(self, timeout: float | None = None) -> Path:
-        """Block until the checkpoint is complete; re-raise a failure of the save.
-
-        Example:
-            >>> import tempfile, torch
-            >>> from tensordict import TensorDict
-            >>> h = save(TensorDict({"x": torch.ones(1)}, []), tempfile.mkdtemp() + "/c", async_=True)
-            >>> h.wait().name
-            'c'
-        """
-        global _pending
-        try:
-            return self._future.result(timeout)
-        finally:
-            if self._future.done():
-                with _pending_lock:
-                    if _pending is self:
-                        _pending = None
-
-
-def wait_pending() -> None:
-    """Wait for the in-flight async save of this process, if any (re-raising its failure).
-
-    Staging finishes before :func:`save` returns, so donated in-place updates
-    need not call this; call it before exit, or before reading a checkpoint
-    that may still be in flight.
-
-    Example:
-        >>> wait_pending()
-    """
-    with _pending_lock:
-        handle = _pending
-    if handle is not None:
-        handle.wait()
-
-
-def release_staging_buffers() -> None:
-    """Free the CPU staging buffers that async saves keep for reuse (after waiting for them).
-
-    Example:
-        >>> release_staging_buffers()
-    """
-    wait_pending()
-    _staging.clear()
-
-
-def _busy_scratch() -> set[Path]:
-    with _pending_lock:
-        handle = _pending
-    if handle is None or handle.done():
-        return set()
-    return set(handle._scratch)
-
-
-def _stage(flat: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Copy every tensor (the local shard of a DTensor) into a reusable CPU buffer."""
-    from torch.distributed.tensor import DTensor
-
-    out: dict[str, torch.Tensor] = {}
-    for k, t in flat.items():
-        src = t.to_local() if isinstance(t, DTensor) else t
-        buf = _staging.get(k)
-        if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
-            buf = torch.empty(src.shape, dtype=src.dtype, device="cpu")
-            _staging[k] = buf
-        with torch.no_grad():
-            buf.copy_(src.detach())
-        if isinstance(t, DTensor):
-            out[k] = DTensor.from_local(
-                buf, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride()
-            )
-        else:
-            out[k] = buf
-    for k in [k for k in _staging if k not in flat]:
-        del _staging[k]
-    return out
 
 
 # -- save ----------------------------------------------------------------------------------
@@ -778,17 +417,9 @@ def save(
         _write(flat, tmp, target, token, group, step, meta)
         return None
 
-    global _pending, _executor
     staged = _stage(flat)
-    if _executor is None:
-        _executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="purestep-ckpt")
-    future = _executor.submit(_write, staged, tmp, target, token, group, step, meta)
-    handle = SaveHandle(
-        future, target, scratch=(tmp, target.with_name(f"{target.name}{_OLD}{token}"))
-    )
-    with _pending_lock:
-        _pending = handle
-    return handle
+    scratch = (tmp, target.with_name(f"{target.name}{_OLD}{token}"))
+    return submit(_write, (staged, tmp, target, token, group, step, meta), target, scratch)
 
 
 # -- load ----------------------------------------------------------------------------------
