@@ -495,3 +495,37 @@ def test_clipping_reuses_the_grad_norm_metric_norm_and_results_are_unchanged(
             state2, metrics2 = step2(state2, _batch(i, 8))
     testing.assert_trees_equal(state, state2)
     testing.assert_trees_equal(metrics, metrics2)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    b=st.integers(1, 5),
+    shapes=st.lists(st.lists(st.integers(0, 3), max_size=2), min_size=1, max_size=4),
+    give_index=st.booleans(),
+    mismatch=st.booleans(),
+)
+def test_prepare_batch_equals_with_index_of_as_batch(
+    b: int, shapes: list[list[int]], give_index: bool, mismatch: bool
+) -> None:
+    """The direct path for dicts gives what with_index(as_batch(d)) gives (or the same error)."""
+    from purestep.step._batch import prepare_batch
+
+    d: dict[str, torch.Tensor] = {
+        f"k{i}": torch.zeros(b + (1 if mismatch and i == 1 else 0), *s)
+        for i, s in enumerate(shapes)
+    }
+    if give_index:
+        d["index"] = torch.arange(b) + 10
+    before = dict(d)
+    try:
+        expected = ps.step.with_index(ps.step.as_batch(d))
+    except ValueError as e:
+        with pytest.raises(ValueError, match=str(e)[:30].replace("(", r"\(").replace(")", r"\)")):
+            prepare_batch(d)
+        return
+    got = prepare_batch(d)
+    assert got.batch_size == expected.batch_size
+    assert list(got.keys()) == list(expected.keys())
+    for k in expected.keys():
+        assert torch.equal(got[k], expected[k]), k
+    assert d.keys() == before.keys() and all(d[k] is before[k] for k in d), "caller's dict changed"

@@ -10,7 +10,7 @@ from tensordict import TensorDict, TensorDictBase
 
 from purestep import tree
 
-__all__ = ["Batch", "as_batch", "batch_size", "with_index"]
+__all__ = ["Batch", "as_batch", "batch_size", "prepare_batch", "with_index"]
 
 Batch = TensorDictBase | Mapping[str, Any]
 
@@ -97,3 +97,32 @@ def with_index(batch: TensorDictBase) -> TensorDictBase:
     device = next(iter(tree.leaves(batch)), torch.empty(0)).device
     out.set("index", torch.arange(batch_size(batch), dtype=torch.int64, device=device))
     return out
+
+
+def prepare_batch(batch: Batch) -> TensorDictBase:
+    """``with_index(as_batch(batch))``, with a direct path for a flat dict of tensors.
+
+    A plain ``dict`` of tensors of at least one dimension that agree on ``B``
+    and on device (the usual data-loader output) becomes its TensorDict, index
+    included, in one construction; anything else takes the general path (and
+    its checks and errors).
+
+    Example:
+        >>> import torch
+        >>> prepare_batch({"x": torch.zeros(3, 2)})["index"]
+        tensor([0, 1, 2])
+    """
+    if type(batch) is dict and batch and "index" not in batch:
+        values = list(batch.values())
+        first = values[0]
+        if type(first) is torch.Tensor and first.ndim >= 1:
+            b, device = first.shape[0], first.device
+            if all(
+                type(v) is torch.Tensor and v.ndim >= 1 and v.shape[0] == b and v.device == device
+                for v in values
+            ) and all(type(k) is str for k in batch):
+                items = dict(batch)
+                items["index"] = torch.arange(b, dtype=torch.int64, device=device)
+                td: TensorDict = TensorDict._new_unsafe(items, batch_size=torch.Size([b]))
+                return td
+    return with_index(as_batch(batch))

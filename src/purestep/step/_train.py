@@ -11,7 +11,7 @@ from tensordict import TensorDict, TensorDictBase
 
 from purestep import rng, tree
 from purestep.optim import Transform, current_lr
-from purestep.step._batch import Batch, as_batch, with_index
+from purestep.step._batch import Batch, prepare_batch
 from purestep.step._grad import GradFn, is_bound, reduce_bound_metrics
 
 __all__ = ["Step", "TrainStep", "apply_gradients", "train_step"]
@@ -148,7 +148,7 @@ class TrainStep:
 
     def _step(self, state: TensorDictBase, batch: Batch) -> tuple[TensorDict, TensorDict]:
         state = self.prepare(state)
-        batch = with_index(as_batch(batch))
+        batch = prepare_batch(batch)
         step = int(state.get("step"))
         key = rng.fold_in(state.get("rng"), state.get("step"))
         roles = self.due_roles(step)
