@@ -51,3 +51,18 @@ def test_structure_mismatch_names_key_paths_and_shapes() -> None:
         tree.assert_same_structure(
             a, TensorDict({"m": {"w": torch.ones(3, 2), "b": torch.ones(3)}}, [])
         )
+
+
+@pytest.mark.parametrize("batched", [False, True])
+@pytest.mark.parametrize("delta", [-1, 1])
+def test_rebuild_with_the_wrong_number_of_leaves_names_both_counts(
+    batched: bool, delta: int
+) -> None:
+    """Too few or too many leaves: ValueError with the counts, for plain and batched trees."""
+    td = TensorDict({"a": torch.ones(2), "b": {"c": torch.zeros(2)}}, [2] if batched else [])
+    new = [torch.ones(2)] * (2 + delta)
+    word = "fewer" if delta < 0 else "more"
+    with pytest.raises(
+        ValueError, match=rf"rebuild: {word} leaves.*\b{2 + delta} given|{word}.*\({2 + delta}\)"
+    ):
+        tree.rebuild(td, new)

@@ -162,53 +162,27 @@ def rebuild(like: TensorDictBase, new_leaves: Iterable[torch.Tensor]) -> TensorD
         >>> rebuild(td, [torch.zeros(2)])["a"]
         tensor([0., 0.])
     """
-    new = new_leaves if isinstance(new_leaves, list) else list(new_leaves)
-    pos = [0]
-    out = _rebuild_plain(like, new, pos) if type(like) is TensorDict else None
+    new: list[torch.Tensor] = new_leaves if isinstance(new_leaves, list) else list(new_leaves)
+    it = iter(new)
+
+    def take(_: torch.Tensor) -> torch.Tensor:
+        try:
+            return next(it)
+        except StopIteration:
+            raise ValueError(
+                f"rebuild: fewer leaves ({len(new)}) than the template tree has"
+            ) from None
+
+    out = _map_plain(like, take, []) if type(like) is TensorDict else None
     if out is None:  # generic TensorDict API (any node type, batch dims, devices)
-        pos[0] = 0
-
-        def take(_: torch.Tensor) -> torch.Tensor:
-            i = pos[0]
-            if i >= len(new):
-                raise ValueError(f"rebuild: fewer leaves ({len(new)}) than the template tree has")
-            pos[0] = i + 1
-            return new[i]
-
+        it = iter(new)
         out = like.apply(take)
         assert out is not None
-    if pos[0] != len(new):
+    if next(it, None) is not None:
+        used = len(leaves(like))
         raise ValueError(
-            f"rebuild: more leaves than the template tree has ({len(new)} given, {pos[0]} used)"
+            f"rebuild: more leaves than the template tree has ({len(new)} given, {used} used)"
         )
-    return out
-
-
-def _rebuild_plain(like: TensorDict, new: list[torch.Tensor], pos: list[int]) -> TensorDict | None:
-    """``like.apply`` for plain TensorDicts without batch dims or device, ~10x faster.
-
-    Builds the nodes directly (as ``apply`` does after its checks, which are no-ops
-    for ``batch_size=[]`` and ``device=None``). Returns None, having built nothing
-    visible, when some node needs the generic API.
-    """
-    if like._device is not None or like._batch_size:
-        return None
-    src: dict[str, Any] = {}
-    for k, v in like._tensordict.items():
-        if isinstance(v, torch.Tensor):
-            i = pos[0]
-            if i >= len(new):
-                raise ValueError(f"rebuild: fewer leaves ({len(new)}) than the template tree has")
-            src[k] = new[i]
-            pos[0] = i + 1
-        elif type(v) is TensorDict:
-            sub = _rebuild_plain(v, new, pos)
-            if sub is None:
-                return None
-            src[k] = sub
-        else:
-            return None
-    out: TensorDict = TensorDict._new_unsafe(src, batch_size=like._batch_size, nested=False)  # type: ignore[arg-type]
     return out
 
 
@@ -234,7 +208,12 @@ def map_with_leaves(
 def _map_plain(
     like: TensorDict, fn: Callable[[torch.Tensor], torch.Tensor], out: list[torch.Tensor]
 ) -> TensorDict | None:
-    """:func:`_rebuild_plain` applying ``fn`` to each leaf (appended to ``out``)."""
+    """``like.apply(fn)`` for plain TensorDicts without batch dims or device, ~10x faster.
+
+    Builds the nodes directly (as ``apply`` does after its checks, which are no-ops
+    for ``batch_size=[]`` and ``device=None``) and appends each new leaf to ``out``.
+    Returns None, having built nothing visible, when some node needs the generic API.
+    """
     if like._device is not None or like._batch_size:
         return None
     src: dict[str, Any] = {}
