@@ -371,18 +371,31 @@ def test_file_sinks_drop_records_after_the_resumed_step(tmp_path: Path) -> None:
     assert csv_steps == ["step", "1", "2", "3", "4", "5"]
 
 
-def test_tensorboard_sink_writes_events(tmp_path: Path) -> None:
-    """The tensorboard sink writes an event file (skipped without tensorboard)."""
+def test_tensorboard_sink_holds_the_same_records_as_jsonl(tmp_path: Path) -> None:
+    """The tensorboard sink's scalars (tag, step, value) equal the JSONL records (skipped without tensorboard)."""
     pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     _run(
         _Toy(),
         _toy_state(),
         _toy_data(2),
-        num_steps=3,
+        num_steps=5,
+        log_every=2,
         checkpoint_dir=tmp_path,
-        sinks=("tensorboard",),
+        sinks=("tensorboard", "jsonl"),
     )
-    assert any(p.name.startswith("events.") for p in (tmp_path / "tensorboard").iterdir())
+    records = loop.read_metrics(tmp_path / "metrics.jsonl")
+    expected = {
+        (tag, int(r["step"]), float(v)) for r in records for tag, v in r.items() if tag != "step"
+    }
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    got = {(tag, e.step, e.value) for tag in acc.Tags()["scalars"] for e in acc.Scalars(tag)}
+    assert {(t, s) for t, s, _ in got} == {(t, s) for t, s, _ in expected}
+    for tag, step, value in expected:
+        (match,) = [v for t, s, v in got if (t, s) == (tag, step)]
+        assert match == pytest.approx(value, rel=1e-6), (tag, step)
 
 
 def test_eval_metrics_are_logged_with_the_eval_prefix() -> None:
