@@ -66,3 +66,14 @@ def test_rebuild_with_the_wrong_number_of_leaves_names_both_counts(
         ValueError, match=rf"rebuild: {word} leaves.*\b{2 + delta} given|{word}.*\({2 + delta}\)"
     ):
         tree.rebuild(td, new)
+
+
+@given(td=testing.param_trees())
+@settings(max_examples=40, deadline=None)
+def test_first_leaf_is_the_first_of_leaves(td: TensorDict) -> None:
+    """first_leaf(td) is leaves(td)[0] (the same object), or None for a tree without leaves."""
+    ls = tree.leaves(td)
+    first = tree.first_leaf(td)
+    assert (first is None and not ls) or first is ls[0]
+    empty_first = TensorDict({"e": {}, "t": td}, [])
+    assert tree.first_leaf(empty_first) is (ls[0] if ls else None)

@@ -35,6 +35,7 @@ __all__ = [
     "assert_same_structure",
     "clone",
     "copy_",
+    "first_leaf",
     "format_path",
     "global_norm",
     "group_by_device_dtype",
@@ -139,6 +140,35 @@ def leaves(td: TensorDictBase) -> list[torch.Tensor]:
         if _collect_leaves(td, out):
             return out
     return [cast(torch.Tensor, v) for v in td.values(include_nested=True, leaves_only=True)]
+
+
+def first_leaf(td: TensorDictBase) -> torch.Tensor | None:
+    """The first leaf in :func:`leaves` order, or ``None`` for a tree without leaves.
+
+    Example:
+        >>> from tensordict import TensorDict
+        >>> first_leaf(TensorDict({"a": {"b": torch.ones(1)}, "c": torch.zeros(1)}, []))
+        tensor([1.])
+    """
+    if type(td) is TensorDict:
+        ok, found = _first_plain(td)
+        if ok:
+            return found
+    first = next(iter(td.values(include_nested=True, leaves_only=True)), None)
+    return first if isinstance(first, torch.Tensor) else None
+
+
+def _first_plain(td: TensorDict) -> tuple[bool, torch.Tensor | None]:
+    """``(True, first leaf or None)`` for a plain tree; ``(False, None)`` if a node needs the API."""
+    for v in td._tensordict.values():
+        if isinstance(v, torch.Tensor):
+            return True, v
+        if type(v) is not TensorDict:
+            return False, None
+        ok, found = _first_plain(v)
+        if not ok or found is not None:
+            return ok, found
+    return True, None
 
 
 def format_path(path: str | Sequence[str]) -> str:

@@ -185,7 +185,7 @@ def is_bound(params: TensorDictBase) -> bool:
         >>> is_bound(TensorDict({"w": torch.ones(1)}, []))
         False
     """
-    first = next(iter(params.values(include_nested=True, leaves_only=True)), None)
+    first = tree.first_leaf(params)
     return isinstance(first, nn.Parameter)
 
 
@@ -214,7 +214,7 @@ def call(module: nn.Module, params: TensorDictBase, *args: Any, **kwargs: Any) -
         >>> call(lin, p, torch.ones(1, 1))
         tensor([[2.]])
     """
-    first = next(iter(params.values(include_nested=True, leaves_only=True)), None)
+    first = tree.first_leaf(params)
     if isinstance(first, nn.Parameter):
         return module(*args, **kwargs)
     if getattr(module, "_is_fsdp_managed_module", False) and hasattr(first, "to_local"):
