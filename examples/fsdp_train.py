@@ -144,6 +144,7 @@ def main() -> None:
         norm = torch.stack([p.float().norm() for p in params.values(True, True)]).norm()
         print(f"done: step {int(state['step'])}, student param norm {float(norm):.6f}")
         print(f"checkpoints in {Path(args.ckpt_dir).resolve()}")
+    dist.barrier()  # both ranks reach teardown together (gloo dislikes a peer leaving early)
     dist.destroy_process_group()
 
 
