@@ -164,3 +164,13 @@ def test_a_leaf_reached_on_some_microbatches_only_accumulates_exactly_those() ->
         assert p.grad is not None
         got = grads["s"].get(tuple(name.split(".")))
         assert torch.equal(got, p.grad), name
+
+
+def test_call_with_some_params_keeps_the_modules_parameter_order() -> None:
+    """Swapping only some parameters in and out leaves named_parameters() in its order."""
+    lin = nn.Linear(2, 3)
+    before = [n for n, _ in lin.named_parameters()]
+    w = torch.zeros(3, 2)
+    ps.call(lin, TensorDict({"weight": w}, []), torch.ones(1, 2))
+    assert [n for n, _ in lin.named_parameters()] == before == ["weight", "bias"]
+    assert lin.weight is not w and isinstance(lin.weight, nn.Parameter)

@@ -69,7 +69,8 @@ def _plan(params: TensorDict, module: nn.Module, out: list[_Entry], seen: set[in
 
 
 def _put(slots: dict[str, Any], key: str, value: torch.Tensor) -> torch.Tensor:
-    old: torch.Tensor = slots.pop(key)
+    """Replace ``slots[key]`` in place (the dict keeps its order); return the old value."""
+    old: torch.Tensor = slots[key]
     slots[key] = value
     return old
 
@@ -120,7 +121,7 @@ def _restore(plan: list[_Entry], olds: list[torch.Tensor], root: TensorDict) -> 
     hooks = tuple(_registration_hooks().values())
     replaced: list[tuple[TensorDict, str, torch.Tensor]] = []
     for (module, slots, key, node, value), old in zip(plan, olds, strict=True):
-        current = slots.pop(key)
+        current = slots[key]
         if current is value and not hooks:
             slots[key] = old  # the usual case: the module kept the tensor it was given
             continue
