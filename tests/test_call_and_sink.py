@@ -174,3 +174,26 @@ def test_call_with_some_params_keeps_the_modules_parameter_order() -> None:
     ps.call(lin, TensorDict({"weight": w}, []), torch.ones(1, 2))
     assert [n for n, _ in lin.named_parameters()] == before == ["weight", "bias"]
     assert lin.weight is not w and isinstance(lin.weight, nn.Parameter)
+
+
+def test_accumulate_through_a_wrapper_that_rebuilds_params_each_call_sums_every_microbatch() -> (
+    None
+):
+    """A grad_fn wrapper giving new params objects per microbatch still accumulates them all, bitwise."""
+    s, _t, params, batch = _setup()
+
+    def loss_fn(p: TensorDictBase, b: TensorDictBase, key: torch.Tensor) -> Any:
+        return ((ps.call(s, p["s"], b["x"]) - b["y"]) ** 2).mean(), {}
+
+    inner = ps.value_and_grad(loss_fn)
+
+    def rebuilding(p: TensorDictBase, b: TensorDictBase, key: torch.Tensor, **kw: Any) -> Any:
+        fresh = TensorDict({r: p[r].apply(lambda x: x) for r in p.keys()}, [])
+        assert fresh["s"] is not p["s"]
+        return inner(fresh, b, key, **kw)
+
+    for k in (2, 3, 7):
+        want, _ = ps.accumulate(inner, k)(params, batch, torch.tensor(0), roles=["s"])
+        got, _ = ps.accumulate(rebuilding, k)(params, batch, torch.tensor(0), roles=["s"])
+        for key in want.keys(True, True):
+            assert torch.equal(got[key], want[key]), (k, key)

@@ -69,13 +69,26 @@ class GradSink:
     def leaves_for(
         self, role: str, params: Any, make: Callable[[Any], tuple[Any, list[torch.Tensor]]]
     ) -> tuple[Any, list[torch.Tensor]]:
-        """``make(params)`` on the first call for ``role`` (and ``params``), the same result after."""
+        """``make(params)`` on the first call for ``role`` (and ``params``), the same result after.
+
+        If a later microbatch brings other ``params`` objects for the role (a
+        ``grad_fn`` wrapper that rebuilds them per call), the new leaves take the
+        accumulators so far as their ``.grad``, so the sum carries on.
+        """
         hit = self.tracked.get(role)
         if hit is not None and hit[0] is params:
             return hit[1], hit[2]
         tracked, leaves = make(params)
         self.tracked[role] = (params, tracked, leaves)
-        self.acc.pop(role, None)
+        acc = self.acc.get(role)
+        if acc is not None:
+            if len(acc) != len(leaves):
+                raise ValueError(
+                    f"accumulate: role {role!r} has {len(leaves)} params on this microbatch, "
+                    f"{len(acc)} on earlier ones"
+                )
+            for t, a in zip(leaves, acc, strict=True):
+                t.grad = a
         return tracked, leaves
 
     def backward(
