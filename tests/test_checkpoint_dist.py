@@ -7,12 +7,14 @@ both ranks through the pool. Task functions are module-level so they pickle.
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tensordict import TensorDict, TensorDictBase
@@ -226,6 +228,12 @@ def test_sharded_save_round_trips_on_same_and_one_rank(
     # 2 -> 1: no process group here, plain tensors.
     out = ckpt.load(path, like=_parent_like(sizes, dtype))
     assert _same(_full(out), expected)
+    # ... and with stock DCP's own reader (the checkpoint is an ordinary DCP checkpoint)
+    stock = {k: torch.zeros_like(v) for k, v in expected.items()}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(stock, storage_reader=dcp.FileSystemReader(path), no_dist=True)
+    assert _same(stock, expected)
     md = ckpt.read_metadata(path)
     assert md["world_size"] == WORLD
     assert md["per_rank_keys"] == {
