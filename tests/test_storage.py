@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from tensordict import TensorDict
 
 from purestep.distributed import checkpoint as ckpt
-from purestep.distributed._storage import RecordReader, RecordWriter, write_record
+from purestep.distributed._storage import RAW_TAIL, RecordReader, RecordWriter, write_record
 from test_checkpoint import _bits, _build, tree_st
 
 
@@ -90,3 +90,52 @@ def test_write_record_appends_one_loadable_record_of_the_returned_length(
     rec = io.BytesIO(buf.getvalue()[len(prefix) :])
     back = torch.load(rec, weights_only=True)
     assert back.dtype == dtype and back.shape == t.shape and torch.equal(back, t)
+
+
+@settings(max_examples=15, deadline=None)
+@given(spec=tree_st, seed=st.integers(0, 2**31))
+def test_purestep_load_reads_its_own_records_without_unpickling(
+    tmp_path_factory: pytest.TempPathFactory, spec: dict[str, Any], seed: int
+) -> None:
+    """ckpt.load of a purestep checkpoint never calls torch.load, and is bitwise (any dtype/shape)."""
+    g = torch.Generator().manual_seed(seed)
+    state = TensorDict(_build(spec, g), [])
+    path = tmp_path_factory.mktemp("c") / "ckpt"
+    ckpt.save(state, path)
+    assert ckpt.read_metadata(path)["records"] == RAW_TAIL
+
+    def no_unpickling(*a: Any, **k: Any) -> Any:
+        raise AssertionError("torch.load called")
+
+    real = torch.load
+    torch.load = no_unpickling  # type: ignore[assignment]
+    try:
+        out = ckpt.load(path, like=state.apply(torch.zeros_like))
+    finally:
+        torch.load = real
+    _equal_bits(_flat_td(out), _flat_td(state))
+
+
+def _flat_td(td: TensorDict) -> dict[str, torch.Tensor]:
+    return {".".join(k): v for k, v in td.items(True, True)}  # type: ignore[misc]
+
+
+def test_raw_tail_reads_fall_back_to_torch_load_for_other_records(tmp_path: Path) -> None:
+    """RecordReader(raw_tail=True) on stock zip records notices the layout differs and unpickles."""
+    sd = {"a": torch.arange(6.0).reshape(2, 3), "b": torch.tensor(7), "c": torch.ones(0)}
+    _one_process(lambda: dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp_path), no_dist=True))
+    out = {k: torch.zeros_like(v) for k, v in sd.items()}
+    _one_process(
+        lambda: dcp.load(out, storage_reader=RecordReader(tmp_path, raw_tail=True), no_dist=True)
+    )
+    _equal_bits(out, sd)
+
+
+def test_non_contiguous_tensors_are_written_in_row_major_order(tmp_path: Path) -> None:
+    """A transposed tensor (its own whole storage, not contiguous) round-trips by the raw-tail path."""
+    t = torch.arange(12.0).reshape(3, 4).t()
+    assert not t.is_contiguous() and t.untyped_storage().nbytes() == t.numel() * 4
+    state = TensorDict({"t": t}, [])
+    ckpt.save(state, tmp_path / "c")
+    out = ckpt.load(tmp_path / "c", like=state.apply(torch.zeros_like))
+    assert torch.equal(out["t"], t)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import io
 import os
+import sys
 from typing import Any
 
 import torch
@@ -39,6 +40,7 @@ from torch.distributed.checkpoint.filesystem import (
     _StoragePrefix,
     _TensorLoader,
 )
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import (
     LoadItemType,
     LoadPlan,
@@ -52,15 +54,24 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-__all__ = ["RecordReader", "RecordWriter", "write_record"]
+__all__ = ["RAW_TAIL", "RecordReader", "RecordWriter", "write_record"]
+
+RAW_TAIL = "torch-legacy-contiguous"
+"""The record layout :func:`write_record` guarantees (named in purestep's ``metadata.json``).
+
+Each tensor record ends with ``int64 numel`` and the tensor's bytes in row-major
+order, so a reader that knows the chunk's shape and dtype (from DCP's metadata)
+can read the data without unpickling the record."""
 
 
 def write_record(tensor: torch.Tensor, stream: Any) -> int:
     """Append ``tensor`` to ``stream`` as a ``torch.load``-able record; return its length.
 
     The record is ``torch.save``'s non-zip format, which ``torch.load`` reads
-    (with ``weights_only=True`` too). Only the tensor's own bytes are written:
-    a view of a larger storage is cloned first.
+    (with ``weights_only=True`` too). Only the tensor's own bytes are written,
+    in row-major order: a view of a larger storage, or a non-contiguous tensor,
+    is copied first. The record therefore ends with the storage's element
+    count (int64, little-endian) and then the data itself (:data:`RAW_TAIL`).
 
     Example:
         >>> import io, torch
@@ -70,8 +81,11 @@ def write_record(tensor: torch.Tensor, stream: Any) -> int:
         >>> torch.load(buf, weights_only=True)
         tensor([1., 2.])
     """
-    if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
-        tensor = tensor.clone()
+    if (
+        not tensor.is_contiguous()
+        or tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size()
+    ):
+        tensor = tensor.clone(memory_format=torch.contiguous_format)
     start = int(stream.tell())
     torch.save(tensor, stream, _use_new_zipfile_serialization=False)
     return int(stream.tell()) - start
@@ -164,8 +178,12 @@ class RecordReader(FileSystemReader):
     The stock reader hands ``torch.load`` a Python file view, so unpickling a
     record costs one Python-level ``read`` and ``tell`` per pickle opcode (about
     600 per small tensor). This reader reads each record's bytes at once and
-    unpickles from memory; the result is the same. Records with stream
-    transforms (compression, written by other writers) go to the stock path.
+    unpickles from memory; the result is the same. With ``raw_tail=True``
+    (records known to follow :data:`RAW_TAIL`, as purestep's own) it skips
+    unpickling and reads each chunk's bytes from the end of its record, checked
+    against the element count stored before them (a mismatch falls back to
+    ``torch.load``). Records with stream transforms (compression, written by
+    other writers) go to the stock path.
 
     Example:
         >>> import tempfile, warnings, torch
@@ -180,6 +198,44 @@ class RecordReader(FileSystemReader):
         tensor([0., 1., 2.])
     """
 
+    def __init__(self, path: str | os.PathLike[str], *, raw_tail: bool = False) -> None:
+        super().__init__(path)
+        self.raw_tail = raw_tail and sys.byteorder == "little"
+        self._chunks: dict[tuple[str, tuple[int, ...]], tuple[torch.Size, torch.dtype]] = {}
+
+    def set_up_storage_reader(
+        self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
+    ) -> None:
+        """Also index every stored chunk's shape and dtype (for ``raw_tail`` reads)."""
+        super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+        self._chunks = {}
+        for fqn, md in metadata.state_dict_metadata.items():
+            if isinstance(md, TensorStorageMetadata):
+                for chunk in md.chunks:
+                    self._chunks[fqn, tuple(chunk.offsets)] = (chunk.sizes, md.properties.dtype)
+
+    def _read_tail(self, f: Any, ri: ReadItem, info: Any) -> torch.Tensor | None:
+        """The chunk's data from the end of its record, or None if it is not laid out so."""
+        found = self._chunks.get((ri.storage_index.fqn, tuple(ri.storage_index.offset or ())))
+        if found is None:
+            return None
+        sizes, dtype = found
+        numel = 1
+        for n in sizes:
+            numel *= int(n)
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        if nbytes + 8 > info.length:
+            return None
+        f.seek(info.offset + info.length - nbytes - 8)
+        if int.from_bytes(f.read(8), "little", signed=True) != numel:
+            return None
+        if nbytes == 0:
+            return torch.empty(sizes, dtype=dtype)
+        buf = bytearray(nbytes)
+        if f.readinto(buf) != nbytes:
+            return None
+        return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).reshape(sizes)
+
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Read every item of ``plan``, grouped by file, in file order."""
         if any(self.storage_data[ri.storage_index].transform_descriptors for ri in plan.items):
@@ -192,12 +248,16 @@ class RecordReader(FileSystemReader):
             with open(os.path.join(self.path, relative_path), "rb") as f:
                 for ri in items:
                     info = self.storage_data[ri.storage_index]
-                    f.seek(info.offset)
-                    raw = io.BytesIO(f.read(info.length))
-                    if ri.type == LoadItemType.BYTE_IO:
-                        planner.load_bytes(ri, raw)
-                        continue
-                    loaded = torch.load(raw, map_location="cpu", weights_only=True)
+                    loaded = None
+                    if self.raw_tail and ri.type != LoadItemType.BYTE_IO:
+                        loaded = self._read_tail(f, ri, info)
+                    if loaded is None:
+                        f.seek(info.offset)
+                        raw = io.BytesIO(f.read(info.length))
+                        if ri.type == LoadItemType.BYTE_IO:
+                            planner.load_bytes(ri, raw)
+                            continue
+                        loaded = torch.load(raw, map_location="cpu", weights_only=True)
                     src = narrow_tensor_by_index(loaded, ri.storage_offsets, ri.lengths)
                     dst = planner.resolve_tensor(ri).detach()
                     if dst.size() != src.size():

@@ -108,7 +108,7 @@ from purestep.distributed._ckpt_paths import (
     read_metadata,
     step_dir,
 )
-from purestep.distributed._storage import RecordReader, RecordWriter
+from purestep.distributed._storage import RAW_TAIL, RecordReader, RecordWriter
 
 __all__ = [
     "METADATA_FILE",
@@ -240,6 +240,7 @@ def _write_metadata(
     md = {
         "format": _FORMAT,
         "format_version": _FORMAT_VERSION,
+        "records": RAW_TAIL,
         "step": step,
         "world_size": world_size,
         "purestep_version": purestep.__version__,
@@ -430,6 +431,7 @@ def _load_flat(
     path: Path,
     flat_like: dict[str, torch.Tensor],
     donate: bool,
+    md: Mapping[str, Any],
 ) -> dict[str, torch.Tensor]:
     dst = flat_like if donate else {k: torch.empty_like(v) for k, v in flat_like.items()}
     if dst:
@@ -437,7 +439,7 @@ def _load_flat(
         with torch.no_grad():
             dcp_load(
                 dst,
-                storage_reader=RecordReader(path),
+                storage_reader=RecordReader(path, raw_tail=md.get("records") == RAW_TAIL),
                 process_group=group,
                 no_dist=group is None,
             )
@@ -479,6 +481,7 @@ def load(
     group = _group()
     problem: Exception | None = None
     flat_like: dict[str, torch.Tensor] = {}
+    md: dict[str, Any] = {}
     try:
         md = read_metadata(p)
         flat_like = _flatten(like, "like")
@@ -487,7 +490,7 @@ def load(
     except (OSError, ValueError) as e:
         problem = e
     _raise_agreed(group, problem)
-    dst = _load_flat(group, p, flat_like, donate)
+    dst = _load_flat(group, p, flat_like, donate, md)
     if donate:
         return like
     return tree.rebuild(like, list(dst.values()))
@@ -522,6 +525,7 @@ def load_per_rank(
     prefix = f"{_RANK_PREFIX}{rank}__."
     problem: Exception | None = None
     flat_like: dict[str, torch.Tensor] = {}
+    md: dict[str, Any] = {}
     try:
         md = read_metadata(p)
         flat_like = _flatten(like, "like")
@@ -538,7 +542,7 @@ def load_per_rank(
     except (OSError, ValueError) as e:
         problem = e
     _raise_agreed(group, problem)
-    dst = _load_flat(group, p, {prefix + k: v for k, v in flat_like.items()}, donate)
+    dst = _load_flat(group, p, {prefix + k: v for k, v in flat_like.items()}, donate, md)
     if donate:
         return like
     return tree.rebuild(like, list(dst.values()))
