@@ -214,8 +214,13 @@ class RecordReader(FileSystemReader):
                 for chunk in md.chunks:
                     self._chunks[fqn, tuple(chunk.offsets)] = (chunk.sizes, md.properties.dtype)
 
-    def _read_tail(self, f: Any, ri: ReadItem, info: Any) -> torch.Tensor | None:
-        """The chunk's data from the end of its record, or None if it is not laid out so."""
+    def _read_tail(self, f: Any, ri: ReadItem, info: Any, dst: torch.Tensor) -> torch.Tensor | None:
+        """The chunk's data from the end of its record, or None if it is not laid out so.
+
+        When ``dst`` is exactly the stored chunk (same shape and dtype, plain,
+        contiguous, on CPU) the bytes are read straight into it and ``dst`` is
+        returned: no intermediate buffer and no copy.
+        """
         found = self._chunks.get((ri.storage_index.fqn, tuple(ri.storage_index.offset or ())))
         if found is None:
             return None
@@ -231,6 +236,17 @@ class RecordReader(FileSystemReader):
             return None
         if nbytes == 0:
             return torch.empty(sizes, dtype=dtype)
+        whole = all(o == 0 for o in ri.storage_offsets) and tuple(ri.lengths) == tuple(sizes)
+        if (
+            whole
+            and type(dst) is torch.Tensor
+            and dst.device.type == "cpu"
+            and dst.dtype == dtype
+            and dst.shape == sizes
+            and dst.is_contiguous()
+        ):
+            got = f.readinto(dst.reshape(-1).view(torch.uint8).numpy())
+            return dst if got == nbytes else None
         buf = bytearray(nbytes)
         if f.readinto(buf) != nbytes:
             return None
@@ -248,18 +264,20 @@ class RecordReader(FileSystemReader):
             with open(os.path.join(self.path, relative_path), "rb") as f:
                 for ri in items:
                     info = self.storage_data[ri.storage_index]
-                    loaded = None
-                    if self.raw_tail and ri.type != LoadItemType.BYTE_IO:
-                        loaded = self._read_tail(f, ri, info)
+                    if ri.type == LoadItemType.BYTE_IO:
+                        f.seek(info.offset)
+                        planner.load_bytes(ri, io.BytesIO(f.read(info.length)))
+                        continue
+                    dst = planner.resolve_tensor(ri).detach()
+                    loaded = self._read_tail(f, ri, info, dst) if self.raw_tail else None
+                    if loaded is dst:  # read in place
+                        planner.commit_tensor(ri, dst)
+                        continue
                     if loaded is None:
                         f.seek(info.offset)
                         raw = io.BytesIO(f.read(info.length))
-                        if ri.type == LoadItemType.BYTE_IO:
-                            planner.load_bytes(ri, raw)
-                            continue
                         loaded = torch.load(raw, map_location="cpu", weights_only=True)
                     src = narrow_tensor_by_index(loaded, ri.storage_offsets, ri.lengths)
-                    dst = planner.resolve_tensor(ri).detach()
                     if dst.size() != src.size():
                         raise ValueError(
                             f"{ri.storage_index.fqn}: stored chunk has shape "
