@@ -17,8 +17,14 @@ state saves in 0.16 s this way (0.91x of ``torch.save``).
 
 Everything else follows the stock writer: tensors are moved to CPU (with
 copy-ahead overlap when a GPU is present), a view whose storage is larger than
-itself is cloned first so only its own bytes are written, and the file is
-fsynced before :meth:`write_data` returns.
+itself (or a non-contiguous tensor) is copied first so only its own bytes are
+written, row-major, and the file is fsynced before :meth:`write_data` returns.
+
+:class:`RecordReader` reads any DCP file checkpoint. For records known to
+follow :data:`RAW_TAIL` (purestep's, flagged in its ``metadata.json``) it takes
+the data from the record's tail, straight into the target tensor when the
+chunk is exactly that tensor, instead of unpickling: load went from 0.30x to
+about 0.9x of ``torch.load`` on the state above.
 """
 
 from __future__ import annotations
