@@ -20,9 +20,7 @@ from test_checkpoint import _bits, _build, tree_st
 
 
 def _flat(spec: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    td = TensorDict(_build(spec, g), [])
-    return {".".join(k): v for k, v in td.items(True, True)}  # type: ignore[misc]
+    return _flat_td(TensorDict(_build(spec, torch.Generator().manual_seed(seed)), []))
 
 
 def _equal_bits(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:

@@ -44,6 +44,7 @@ __all__ = [
     "map_with_leaves",
     "norm_memo",
     "paths",
+    "plain_td",
     "rebuild",
     "unflatten",
     "zeros_like",
@@ -216,6 +217,25 @@ def rebuild(like: TensorDictBase, new_leaves: Iterable[torch.Tensor]) -> TensorD
     return out
 
 
+_NO_DIMS = torch.Size([])
+
+
+def plain_td(items: dict[str, Any], batch_size: torch.Size = _NO_DIMS) -> TensorDict:
+    """``TensorDict(items, batch_size)`` without the constructor's per-entry checks.
+
+    For values the caller knows are valid: tensors whose leading dims match
+    ``batch_size``, and TensorDict nodes with that batch size and no device
+    (trees this library built). Nested plain dicts are not converted. About
+    0.7 µs a node instead of ~2 µs, which adds up on every step's trees.
+
+    Example:
+        >>> plain_td({"w": torch.ones(2)})["w"]
+        tensor([1., 1.])
+    """
+    td: TensorDict = TensorDict._new_unsafe(items, batch_size=batch_size, nested=False)  # type: ignore[arg-type]
+    return td
+
+
 def map_with_leaves(
     td: TensorDictBase, fn: Callable[[torch.Tensor], torch.Tensor]
 ) -> tuple[TensorDict, list[torch.Tensor]]:
@@ -258,8 +278,7 @@ def _map_plain(
             src[k] = sub
         else:
             return None
-    built: TensorDict = TensorDict._new_unsafe(src, batch_size=like._batch_size, nested=False)  # type: ignore[arg-type]
-    return built
+    return plain_td(src, like._batch_size)
 
 
 def unflatten(items: Sequence[tuple[KeyPath, torch.Tensor]]) -> TensorDict:

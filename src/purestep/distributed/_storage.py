@@ -32,6 +32,7 @@ from __future__ import annotations
 import io
 import os
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -162,14 +163,18 @@ def _cpu_loader(planner: SavePlanner, copy_ahead: int) -> _TensorLoader:
     return _SerialCpuLoader(planner.resolve_data)
 
 
+def _numel(sizes: Sequence[int]) -> int:
+    n = 1
+    for d in sizes:
+        n *= int(d)
+    return n
+
+
 def _nbytes(wi: WriteItem) -> int:
     td = wi.tensor_data
     if td is None:  # pragma: no cover - tensor items carry tensor data
         return 0
-    n = 1
-    for s in td.size:
-        n *= int(s)
-    return n * torch.empty((), dtype=td.properties.dtype).element_size()
+    return _numel(td.size) * td.properties.dtype.itemsize
 
 
 def _result(wi: WriteItem, name: str, offset: int, length: int) -> WriteResult:
@@ -231,10 +236,8 @@ class RecordReader(FileSystemReader):
         if found is None:
             return None
         sizes, dtype = found
-        numel = 1
-        for n in sizes:
-            numel *= int(n)
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        numel = _numel(sizes)
+        nbytes = numel * dtype.itemsize
         if nbytes + 8 > info.length:
             return None
         f.seek(info.offset + info.length - nbytes - 8)

@@ -123,6 +123,5 @@ def prepare_batch(batch: Batch) -> TensorDictBase:
             ) and all(type(k) is str for k in batch):
                 items = dict(batch)
                 items["index"] = torch.arange(b, dtype=torch.int64, device=device)
-                td: TensorDict = TensorDict._new_unsafe(items, batch_size=torch.Size([b]))
-                return td
+                return tree.plain_td(items, torch.Size([b]))
     return with_index(as_batch(batch))

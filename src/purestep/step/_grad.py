@@ -272,25 +272,12 @@ def _with_roles(params: TensorDictBase, new: Mapping[str, TensorDict]) -> Tensor
             out.set(role, td)
         return out
     src = {k: new[k] if k in new else v.copy() for k, v in params._tensordict.items()}
-    return TensorDict._new_unsafe(src, batch_size=params.batch_size, nested=False)
-
-
-_NO_DIMS = torch.Size([])
-
-
-def _plain_td(items: dict[str, Any]) -> TensorDict:
-    """``TensorDict(items, batch_size=[])`` for values that are tensors or such TensorDicts.
-
-    Skips the constructor's per-entry checks (batch size, device), which cannot
-    fail for these values and cost ~1 µs per entry.
-    """
-    td: TensorDict = TensorDict._new_unsafe(items, batch_size=_NO_DIMS, nested=False)  # type: ignore[arg-type]
-    return td
+    return tree.plain_td(src, params.batch_size)
 
 
 def _as_metrics(metrics: Mapping[str, Any] | TensorDictBase | None) -> TensorDict:
     if metrics is None or (not isinstance(metrics, TensorDictBase) and not metrics):
-        return _plain_td({})
+        return tree.plain_td({})
     if isinstance(metrics, TensorDictBase):
         td = metrics
     else:
@@ -499,7 +486,7 @@ def value_and_grad(loss_fn: LossFn) -> GradFn:
             _LIVE.reset(token)
         metrics = _as_metrics(raw_metrics)
         _loss_metrics(loss, metrics)
-        grads = _plain_td(
+        grads = tree.plain_td(
             {r: tree.rebuild(params.get(r), grad_lists[r]) for r in live if r in grad_lists}
         )
         return grads, metrics
