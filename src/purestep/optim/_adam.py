@@ -22,6 +22,7 @@ from purestep.optim._hparams import (
     chunks,
     foreach_mul_,
     fused_supported,
+    in_place_step,
     locals_,
     lr_at,
     pick,
@@ -130,37 +131,16 @@ def _make(hp: AdamHParams, name: str) -> Transform:
             state[k] = tree.zeros_like(params)
         return TensorDict(state, batch_size=[])
 
-    def step(
-        grads: TensorDictBase,
-        state: TensorDictBase,
-        params: TensorDictBase,
-        *,
-        donate: bool = False,
-    ) -> tuple[TensorDict, TensorDict]:
-        n = int(state["count"])
-        lr = lr_at(hp.lr, n)
-        p = tree.leaves(params)
-        moments = [tree.leaves(state[k]) for k in keys]
-        if not donate:  # fresh buffers, then the same in-place kernel on them
-            p = [t.clone() for t in p]
-            moments = [[t.clone() for t in m] for m in moments]
-        loc = [locals_(m) for m in moments]
-        _kernel(
-            locals_(p),
-            locals_(tree.leaves(grads)),
-            loc[0],
-            loc[1],
-            loc[2] if hp.amsgrad else [],
-            hp,
-            lr,
-            n + 1,
-        )
-        new_state: dict[str, object] = dict(scalar_state(n + 1, lr))
-        if donate:
-            new_state.update((k, state[k]) for k in keys)
-            return cast(TensorDict, params), TensorDict(new_state, batch_size=[])
-        new_state.update((k, tree.rebuild(state[k], m)) for k, m in zip(keys, moments, strict=True))
-        return tree.rebuild(params, p), TensorDict(new_state, batch_size=[])
+    def kernel(
+        p: list[torch.Tensor],
+        g: list[torch.Tensor],
+        m: list[list[torch.Tensor]],
+        lr: float,
+        count: int,
+    ) -> None:
+        _kernel(p, g, m[0], m[1], m[2] if hp.amsgrad else [], hp, lr, count + 1)
+
+    step = in_place_step(hp.lr, keys, kernel)
 
     def update(
         grads: TensorDictBase,

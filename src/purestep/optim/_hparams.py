@@ -25,15 +25,15 @@ Example:
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, cast
 
 import attrs
 import torch
-from tensordict import TensorDictBase
+from tensordict import TensorDict, TensorDictBase
 
 from purestep import tree
-from purestep.optim._base import ScalarOrSchedule
+from purestep.optim._base import ScalarOrSchedule, StepFn
 
 __all__ = [
     "AdamHParams",
@@ -414,3 +414,56 @@ def foreach_mul_(tensors: list[torch.Tensor], factor: float | torch.Tensor) -> N
         else:
             f = factor
         torch._foreach_mul_(ts, f)
+
+
+InPlaceKernel = Callable[
+    [list[torch.Tensor], list[torch.Tensor], list[list[torch.Tensor]], float, int], None
+]
+"""``kernel(params, grads, moments, lr, count)``: update local tensors in place.
+
+``moments`` holds one leaf list per state key; ``count`` is the number of
+updates done before this one; ``grads`` must not be written."""
+
+
+def in_place_step(lr: ScalarOrSchedule, keys: Sequence[str], kernel: InPlaceKernel) -> StepFn:
+    """The fused ``step`` of a transform whose state is ``count``, ``lr`` and moment trees.
+
+    ``state[k]`` for ``k`` in ``keys`` are trees shaped like the params. Donated,
+    ``kernel`` runs on the params' and moments' own (local) buffers; otherwise
+    on fresh copies, so both paths give bitwise equal results. The new state has
+    ``count + 1`` and the lr used.
+
+    Example:
+        >>> from tensordict import TensorDict
+        >>> def sgd_kernel(p, g, moments, lr, count):
+        ...     torch._foreach_add_(p, g, alpha=-lr)
+        >>> step = in_place_step(0.5, (), sgd_kernel)
+        >>> p = TensorDict({"w": torch.ones(2)}, [])
+        >>> new_p, new_s = step(p.apply(torch.ones_like), TensorDict(scalar_state(0), []), p)
+        >>> new_p["w"], int(new_s["count"]), bool(p["w"][0] == 1)
+        (tensor([0.5000, 0.5000]), 1, True)
+    """
+
+    def step(
+        grads: TensorDictBase,
+        state: TensorDictBase,
+        params: TensorDictBase,
+        *,
+        donate: bool = False,
+    ) -> tuple[TensorDict, TensorDict]:
+        n = int(state["count"])
+        rate = lr_at(lr, n)
+        p = tree.leaves(params)
+        moments = [tree.leaves(state[k]) for k in keys]
+        if not donate:  # fresh buffers, then the same in-place kernel on them
+            p = [t.clone() for t in p]
+            moments = [[t.clone() for t in m] for m in moments]
+        kernel(locals_(p), locals_(tree.leaves(grads)), [locals_(m) for m in moments], rate, n)
+        new_state: dict[str, object] = dict(scalar_state(n + 1, rate))
+        if donate:
+            new_state.update((k, state[k]) for k in keys)
+            return cast(TensorDict, params), TensorDict(new_state, batch_size=[])
+        new_state.update((k, tree.rebuild(state[k], m)) for k, m in zip(keys, moments, strict=True))
+        return tree.rebuild(params, p), TensorDict(new_state, batch_size=[])
+
+    return step

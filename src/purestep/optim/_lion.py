@@ -20,6 +20,7 @@ from purestep.optim._hparams import (
     check_grads,
     chunks,
     foreach_mul_,
+    in_place_step,
     locals_,
     lr_at,
     pick,
@@ -96,32 +97,16 @@ def lion(
         state["mu"] = tree.zeros_like(params)
         return TensorDict(state, batch_size=[])
 
-    def step(
-        grads: TensorDictBase,
-        state: TensorDictBase,
-        params: TensorDictBase,
-        *,
-        donate: bool = False,
-    ) -> tuple[TensorDict, TensorDict]:
-        n = int(state["count"])
-        lr = lr_at(hp.lr, n)
-        p, mu = tree.leaves(params), tree.leaves(state["mu"])
-        if not donate:
-            p = [t.clone() for t in p]
-            mu = [t.clone() for t in mu]
-        _kernel(
-            locals_(p),
-            locals_(tree.leaves(grads)),
-            locals_(mu),
-            hp,
-            lr,
-        )
-        new_state: dict[str, object] = dict(scalar_state(n + 1, lr))
-        if donate:
-            new_state["mu"] = state["mu"]
-            return cast(TensorDict, params), TensorDict(new_state, batch_size=[])
-        new_state["mu"] = tree.rebuild(state["mu"], mu)
-        return tree.rebuild(params, p), TensorDict(new_state, batch_size=[])
+    def kernel(
+        p: list[torch.Tensor],
+        g: list[torch.Tensor],
+        m: list[list[torch.Tensor]],
+        lr: float,
+        count: int,
+    ) -> None:
+        _kernel(p, g, m[0], hp, lr)
+
+    step = in_place_step(hp.lr, ("mu",), kernel)
 
     def update(
         grads: TensorDictBase,

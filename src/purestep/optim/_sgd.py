@@ -21,6 +21,7 @@ from purestep.optim._hparams import (
     chunks,
     foreach_mul_,
     fused_supported,
+    in_place_step,
     locals_,
     lr_at,
     pick,
@@ -147,36 +148,16 @@ def sgd(
             state["momentum_buffer"] = tree.zeros_like(params)
         return TensorDict(state, batch_size=[])
 
-    def step(
-        grads: TensorDictBase,
-        state: TensorDictBase,
-        params: TensorDictBase,
-        *,
-        donate: bool = False,
-    ) -> tuple[TensorDict, TensorDict]:
-        n = int(state["count"])
-        lr = lr_at(hp.lr, n)
-        p = tree.leaves(params)
-        buf = tree.leaves(state["momentum_buffer"]) if has_buf else []
-        if not donate:
-            p = [t.clone() for t in p]
-            buf = [t.clone() for t in buf]
-        _kernel(
-            locals_(p),
-            locals_(tree.leaves(grads)),
-            locals_(buf),
-            hp,
-            lr,
-            n == 0,
-        )
-        new_state: dict[str, object] = dict(scalar_state(n + 1, lr))
-        if donate:
-            if has_buf:
-                new_state["momentum_buffer"] = state["momentum_buffer"]
-            return cast(TensorDict, params), TensorDict(new_state, batch_size=[])
-        if has_buf:
-            new_state["momentum_buffer"] = tree.rebuild(state["momentum_buffer"], buf)
-        return tree.rebuild(params, p), TensorDict(new_state, batch_size=[])
+    def kernel(
+        p: list[torch.Tensor],
+        g: list[torch.Tensor],
+        m: list[list[torch.Tensor]],
+        lr: float,
+        count: int,
+    ) -> None:
+        _kernel(p, g, m[0] if has_buf else [], hp, lr, count == 0)
+
+    step = in_place_step(hp.lr, ("momentum_buffer",) if has_buf else (), kernel)
 
     def update(
         grads: TensorDictBase,
