@@ -131,16 +131,13 @@ def _make(hp: AdamHParams, name: str) -> Transform:
             state[k] = tree.zeros_like(params)
         return TensorDict(state, batch_size=[])
 
-    def kernel(
-        p: list[torch.Tensor],
-        g: list[torch.Tensor],
-        m: list[list[torch.Tensor]],
-        lr: float,
-        count: int,
-    ) -> None:
-        _kernel(p, g, m[0], m[1], m[2] if hp.amsgrad else [], hp, lr, count + 1)
-
-    step = in_place_step(hp.lr, keys, kernel)
+    step = in_place_step(
+        hp.lr,
+        keys,
+        lambda p, g, m, lr, count: _kernel(
+            p, g, m[0], m[1], m[2] if hp.amsgrad else [], hp, lr, count + 1
+        ),
+    )
 
     def update(
         grads: TensorDictBase,

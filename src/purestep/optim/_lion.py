@@ -97,16 +97,7 @@ def lion(
         state["mu"] = tree.zeros_like(params)
         return TensorDict(state, batch_size=[])
 
-    def kernel(
-        p: list[torch.Tensor],
-        g: list[torch.Tensor],
-        m: list[list[torch.Tensor]],
-        lr: float,
-        count: int,
-    ) -> None:
-        _kernel(p, g, m[0], hp, lr)
-
-    step = in_place_step(hp.lr, ("mu",), kernel)
+    step = in_place_step(hp.lr, ("mu",), lambda p, g, m, lr, count: _kernel(p, g, m[0], hp, lr))
 
     def update(
         grads: TensorDictBase,

@@ -148,16 +148,11 @@ def sgd(
             state["momentum_buffer"] = tree.zeros_like(params)
         return TensorDict(state, batch_size=[])
 
-    def kernel(
-        p: list[torch.Tensor],
-        g: list[torch.Tensor],
-        m: list[list[torch.Tensor]],
-        lr: float,
-        count: int,
-    ) -> None:
-        _kernel(p, g, m[0] if has_buf else [], hp, lr, count == 0)
-
-    step = in_place_step(hp.lr, ("momentum_buffer",) if has_buf else (), kernel)
+    step = in_place_step(
+        hp.lr,
+        ("momentum_buffer",) if has_buf else (),
+        lambda p, g, m, lr, count: _kernel(p, g, m[0] if has_buf else [], hp, lr, count == 0),
+    )
 
     def update(
         grads: TensorDictBase,
