@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from tensordict import TensorDict
 
 from purestep import optim, tree
-from purestep.optim import _adam, _hparams, schedules
+from purestep.optim import _adam, _kernels, schedules
 
 STEPS = 50
 
@@ -241,7 +241,7 @@ def test_foreach_fallback_chunked_equals_unchunked(monkeypatch: pytest.MonkeyPat
     init, grads = make_data([(4, 3), (7,), (2, 2), (9,)], 2, torch.float32, steps=5)
     opt = optim.adamw(lr=0.01, amsgrad=True)
     whole = run_ours(opt, init, grads, donate=True)
-    monkeypatch.setattr(_hparams, "TEMP_CHUNK_ELEMENTS", 8)
+    monkeypatch.setattr(_kernels, "TEMP_CHUNK_ELEMENTS", 8)
     chunked = run_ours(opt, init, grads, donate=True)
     assert_trees_equal(whole[0], chunked[0])
     assert_trees_equal(whole[1], chunked[1])
@@ -299,10 +299,13 @@ def test_lr_schedule_is_used_like_torch_lambdalr() -> None:
 
 
 def test_state_layout_and_dtypes() -> None:
-    """init: count int64 0-dim CPU = 0, lr float64 = lr(0), moments zero in the params' dtype."""
+    """init: count int64 0-dim CPU = 0, lr float64 = lr(0), moments zero in the params' dtype,
+    a float32 0-dim step count per parameter (torch.optim's per-parameter ``state["step"]``)."""
     params = as_tree([torch.ones(2, dtype=torch.bfloat16), torch.ones(3, dtype=torch.float64)])
     state = optim.adam(lr=schedules.constant(0.5), amsgrad=True).init(params)
-    assert sorted(state.keys()) == ["count", "lr", "mu", "nu", "nu_max"]
+    assert sorted(state.keys()) == ["count", "lr", "mu", "nu", "nu_max", "steps"]
+    for s in tree.leaves(state["steps"]):
+        assert s.dtype == torch.float32 and s.shape == () and float(s) == 0.0
     assert state["count"].dtype == torch.int64 and state["count"].shape == ()
     assert state["lr"].dtype == torch.float64 and float(state["lr"]) == 0.5
     for key in ("mu", "nu", "nu_max"):
@@ -349,6 +352,7 @@ def test_half_precision_step_matches_float64_math_on_large_tensors(
     params = TensorDict({"w": p}, [])
     state = opt.init(params)
     state["mu", "w"], state["nu", "w"], state["count"] = m.clone(), v.clone(), torch.tensor(2)
+    state["steps", "w"] = torch.tensor(2.0)  # the parameter's own step count
     new_p, new_s = opt.step(TensorDict({"w": g}, []), state, params)
     P, G, M, V = (t.double() for t in (p, g, m, v))
     if decoupled:

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from tensordict import TensorDict
 
 from purestep import optim, tree
-from purestep.optim import _hparams
+from purestep.optim import _kernels
 
 STEPS = 50
 
@@ -124,7 +124,7 @@ def test_chunked_temporaries_do_not_change_results(monkeypatch: Any) -> None:
     init, grads = make_data([(4, 3), (7,), (9,)], 3, torch.float32, steps=4)
     opt = optim.lion(lr=0.01)
     whole = run_ours(opt, init, grads, True)
-    monkeypatch.setattr(_hparams, "TEMP_CHUNK_ELEMENTS", 5)
+    monkeypatch.setattr(_kernels, "TEMP_CHUNK_ELEMENTS", 5)
     chunked = run_ours(opt, init, grads, True)
     assert_trees_equal(whole[0], chunked[0])
     assert_trees_equal(whole[1], chunked[1])

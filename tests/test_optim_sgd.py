@@ -150,6 +150,7 @@ def test_half_precision_step_matches_float64_math_on_large_tensors(
     if momentum:
         state["momentum_buffer", "w"] = b.clone()
         state["count"] = torch.tensor(1)  # not the first step: buffer is used
+        state["steps", "w"] = torch.tensor(1.0)  # (with dampening, counted per parameter)
     new_p, new_s = opt.step(TensorDict({"w": g}, []), state, params)
     d = g.double() + 0.1 * p.double()
     if momentum:

@@ -114,7 +114,17 @@ class Transform:
         *,
         donate: bool = False,
     ) -> tuple[TensorDict, TensorDict]:
-        """Return ``(updates, new_state)``; pure unless ``donate=True``."""
+        """Return ``(updates, new_state)``; pure unless ``donate=True``.
+
+        With ``grads`` for a subset of ``params`` the updates cover that subset
+        and the other parameters' state is unchanged (see :meth:`step`).
+        """
+        sub = _Subset.of(params, grads) if params is not None else None
+        if sub is not None and params is not None:
+            updates, new_s = self.update_fn(
+                sub.grads, sub.project(state), sub.project(params), donate=donate
+            )
+            return updates, sub.merge(state, new_s)
         return self.update_fn(grads, state, params, donate=donate)
 
     def step(
@@ -125,12 +135,109 @@ class Transform:
         *,
         donate: bool = False,
     ) -> tuple[TensorDict, TensorDict]:
-        """Return ``(new_params, new_state)``; see the module docstring for ``donate``."""
-        tree.assert_same_structure(params, grads)
+        """Return ``(new_params, new_state)``; see the module docstring for ``donate``.
+
+        ``grads`` may hold a subset of the params (those that received a
+        gradient): the others, and their per-parameter state, are left exactly
+        as they are, as ``torch.optim`` skips a parameter whose ``.grad`` is None.
+        """
+        sub = _Subset.of(params, grads)
+        if sub is not None:
+            new_p, new_s = self.step(
+                sub.grads, sub.project(state), sub.project(params), donate=donate
+            )
+            return sub.merge(params, new_p), sub.merge(state, new_s)
         if self.step_fn is not None:
             return self.step_fn(grads, state, params, donate=donate)
         updates, new_state = self.update_fn(grads, state, params, donate=donate)
         return apply_updates(params, updates, donate=donate), new_state
+
+
+class _Subset:
+    """Grads for some of the params: project params and state onto them, merge results back.
+
+    A state entry is per-parameter when it is a tree with exactly the params'
+    paths (moments, step counts); such trees are projected onto the subset and
+    merged back leaf by leaf, everything else (counts, learning rates) is
+    replaced by the new value.
+    """
+
+    __slots__ = ("grads", "idx", "paths", "sub_paths")
+
+    def __init__(self, paths: list[tree.KeyPath], idx: list[int], grads: TensorDictBase) -> None:
+        self.paths = paths
+        self.idx = idx
+        self.sub_paths = [paths[i] for i in idx]
+        self.grads = grads
+
+    @staticmethod
+    def of(params: TensorDictBase, grads: TensorDictBase) -> _Subset | None:
+        """None when ``grads`` has exactly the params' structure; raise on unknown keys/shapes."""
+        if (
+            type(params) is TensorDict
+            and type(grads) is TensorDict
+            and tree._same_structure(params, grads, True)
+        ):
+            return None
+        ps, gs = tree.paths(params), tree.paths(grads)
+        if ps == gs:
+            tree.assert_same_structure(params, grads)
+            return None
+        where = {p: i for i, p in enumerate(ps)}
+        unknown = [p for p in gs if p not in where]
+        if unknown:
+            missing = sorted(set(ps) - set(gs))
+            parts = (
+                ["missing " + ", ".join(tree.format_path(p) for p in missing)] if missing else []
+            )
+            parts.append("unexpected " + ", ".join(tree.format_path(p) for p in unknown))
+            raise ValueError("grads keys differ from params: " + "; ".join(parts))
+        p_leaves = tree.leaves(params)
+        by_path = dict(zip(gs, tree.leaves(grads), strict=True))
+        for path, g in by_path.items():
+            want = p_leaves[where[path]].shape
+            if g.shape != want:
+                raise ValueError(
+                    f"grads at {tree.format_path(path)} has shape {tuple(g.shape)}, "
+                    f"but params has shape {tuple(want)}"
+                )
+        idx = sorted(where[p] for p in gs)
+        ordered = tree.unflatten([(ps[i], by_path[ps[i]]) for i in idx])
+        return _Subset(ps, idx, ordered)
+
+    def _is_per_param(self, td: TensorDictBase) -> bool:
+        return tree.paths(td) == self.paths
+
+    def project(self, td: TensorDictBase) -> TensorDict:
+        """``td`` with every per-parameter tree cut down to the subset."""
+        if self._is_per_param(td):
+            ls = tree.leaves(td)
+            return tree.unflatten(
+                [(p, ls[i]) for p, i in zip(self.sub_paths, self.idx, strict=True)]
+            )
+        out: dict[str, Any] = {}
+        for k in td.keys():
+            v = td.get(k)
+            out[k] = self.project(v) if isinstance(v, TensorDictBase) else v
+        return TensorDict(out, batch_size=[])
+
+    def merge(self, full: TensorDictBase, sub: TensorDictBase) -> TensorDict:
+        """``full`` with the subset's new values from ``sub`` (the result of a projected call)."""
+        if self._is_per_param(full):
+            new = tree.leaves(full)
+            for i, leaf in zip(self.idx, tree.leaves(sub), strict=True):
+                new[i] = leaf
+            return tree.rebuild(full, new)
+        out: dict[str, Any] = {}
+        for k in sub.keys():
+            v = sub.get(k)
+            old = full.get(k, None) if k in full.keys() else None
+            out[k] = (
+                self.merge(old, v)
+                if isinstance(old, TensorDictBase) and isinstance(v, TensorDictBase)
+                else v
+            )
+        return TensorDict(out, batch_size=[])
 
 
 def apply_updates(

@@ -9,7 +9,8 @@ from tensordict import TensorDict, TensorDictBase
 
 from purestep import tree
 from purestep.optim._base import Transform
-from purestep.optim._hparams import ClipHParams, check_grads, foreach_mul_, locals_
+from purestep.optim._hparams import ClipHParams, check_grads
+from purestep.optim._kernels import foreach_mul_, locals_
 
 __all__ = ["clip_by_global_norm"]
 

@@ -7,31 +7,17 @@ tests check it against a per-tensor reference.
 
 from __future__ import annotations
 
-from typing import cast
-
 import torch
-from tensordict import TensorDict, TensorDictBase
 
 from purestep import tree
 from purestep.optim._base import ScalarOrSchedule, Transform
-from purestep.optim._hparams import (
-    LionHParams,
-    check_floating,
-    check_grads,
-    chunks,
-    foreach_mul_,
-    in_place_step,
-    locals_,
-    lr_at,
-    pick,
-    scalar_state,
-    wrap_like,
-)
+from purestep.optim._hparams import LionHParams
+from purestep.optim._kernels import chunks, foreach_mul_, kernel_transform, pick
 
 __all__ = ["lion"]
 
 
-def _kernel(
+def _lion(
     p: list[torch.Tensor],
     g: list[torch.Tensor],
     mu: list[torch.Tensor],
@@ -73,7 +59,7 @@ def lion(
     the lr of the last update) and ``mu`` (a tree like params). ``step`` with
     ``donate=True`` updates params and ``mu`` in place with ``torch._foreach_*``;
     ``donate=False`` runs the same ops on fresh copies. ``update`` returns
-    ``-lr * (sign(c) + weight_decay * p)``.
+    ``new_params - params`` of the same step.
 
     Args:
         lr: learning rate >= 0, or a schedule ``count -> lr``.
@@ -91,42 +77,21 @@ def lion(
     """
     hp = LionHParams(lr=lr, betas=betas, weight_decay=weight_decay)
 
-    def init(params: TensorDictBase) -> TensorDict:
-        check_floating(params, "lion")
-        state: dict[str, object] = dict(scalar_state(0, lr_at(hp.lr, 0)))
-        state["mu"] = tree.zeros_like(params)
-        return TensorDict(state, batch_size=[])
+    def kernel(
+        p: list[torch.Tensor],
+        g: list[torch.Tensor],
+        m: list[list[torch.Tensor]],
+        rate: float,
+        steps: list[torch.Tensor] | None,
+        count: int,
+    ) -> None:
+        _lion(p, g, m[0], hp, rate)
 
-    step = in_place_step(hp.lr, ("mu",), lambda p, g, m, lr, count: _kernel(p, g, m[0], hp, lr))
-
-    def update(
-        grads: TensorDictBase,
-        state: TensorDictBase,
-        params: TensorDictBase | None,
-        *,
-        donate: bool = False,
-    ) -> tuple[TensorDict, TensorDict]:
-        check_grads(grads, params, state["mu"])
-        if params is None and hp.weight_decay != 0:
-            raise ValueError("lion.update needs params when weight_decay != 0")
-        n = int(state["count"])
-        lr = lr_at(hp.lr, n)
-        b1, b2 = hp.betas
-        g_leaves, mu_leaves = tree.leaves(grads), tree.leaves(state["mu"])
-        if not g_leaves:  # nothing to optimize (foreach ops reject empty lists)
-            empty = {**scalar_state(n + 1, lr), "mu": state["mu"].clone()}
-            return cast(TensorDict, grads.clone()), TensorDict(empty, batch_size=[])
-        if not donate:  # the same in-place ops on a fresh copy
-            mu_leaves = [t.clone() for t in mu_leaves]
-        g, mu = locals_(g_leaves), locals_(mu_leaves)
-        upd = list(torch._foreach_lerp(mu, g, 1 - b1))
-        torch._foreach_sign_(upd)
-        if params is not None and hp.weight_decay != 0:
-            torch._foreach_add_(upd, locals_(tree.leaves(params)), alpha=hp.weight_decay)
-        foreach_mul_(upd, -lr)
-        torch._foreach_lerp_(mu, g, 1 - b2)
-        new_state: dict[str, object] = dict(scalar_state(n + 1, lr))
-        new_state["mu"] = state["mu"] if donate else tree.rebuild(state["mu"], mu_leaves)
-        return tree.rebuild(grads, wrap_like(g_leaves, upd)), TensorDict(new_state, batch_size=[])
-
-    return Transform(init_fn=init, update_fn=update, step_fn=step, name="lion", hparams=hp)
+    return kernel_transform(
+        name="lion",
+        hparams=hp,
+        lr=hp.lr,
+        moments=("mu",),
+        kernel=kernel,
+        decays=hp.weight_decay != 0,
+    )

@@ -8,7 +8,8 @@ from tensordict import TensorDict, TensorDictBase
 
 from purestep import tree
 from purestep.optim._base import ScalarOrSchedule, Transform
-from purestep.optim._hparams import check_grads, foreach_mul_, locals_, lr_at, scalar_state
+from purestep.optim._hparams import check_grads
+from purestep.optim._kernels import foreach_mul_, locals_, lr_at, scalar_state
 
 __all__ = ["scale_by_schedule"]
 

@@ -1,32 +1,26 @@
 """SGD with momentum, dampening, Nesterov and weight decay (``torch.optim.SGD``).
 
-The donated step calls ``torch._fused_sgd_`` (as ``SGD(fused=True)``); the
-``_foreach_*`` fallback and ``update`` follow torch's op order, with scalars
-applied at full precision (as the default per-tensor path does).
+The step calls ``torch._fused_sgd_`` (as ``SGD(fused=True)``); the
+``_foreach_*`` fallback follows torch's op order, with scalars applied at full
+precision (as the default per-tensor path does); ``update`` is the same step,
+returned as ``new_params - params``.
 """
 
 from __future__ import annotations
 
-from typing import cast
-
 import torch
-from tensordict import TensorDict, TensorDictBase
 
 from purestep import tree
 from purestep.optim._base import ScalarOrSchedule, Transform
-from purestep.optim._hparams import (
-    SGDHParams,
-    check_floating,
-    check_grads,
+from purestep.optim._hparams import SGDHParams
+from purestep.optim._kernels import (
+    Kernel,
     chunks,
     foreach_mul_,
     fused_supported,
-    in_place_step,
-    locals_,
-    lr_at,
+    is_dense,
+    kernel_transform,
     pick,
-    scalar_state,
-    wrap_like,
 )
 
 __all__ = ["sgd"]
@@ -61,7 +55,7 @@ def _direction(
     return d
 
 
-def _kernel(
+def _group(
     p: list[torch.Tensor],
     g: list[torch.Tensor],
     buf: list[torch.Tensor],
@@ -78,7 +72,7 @@ def _kernel(
         P, G = pick(p, idx, n), pick(g, idx, n)
         B = pick(buf, idx, n) if has_buf else []
         G = [x if x.dtype == dtype else x.to(dtype) for x in G]
-        if fused_supported(device, dtype, kernel="sgd"):
+        if fused_supported(device, dtype, kernel="sgd") and all(is_dense(t) for t in P):
             # Grads are written by the kernel only with grad_scale / maximize (never passed).
             torch._fused_sgd_(
                 P,
@@ -98,6 +92,37 @@ def _kernel(
             torch._foreach_add_(P[sl], d, alpha=-lr)
 
 
+def _kernel(hp: SGDHParams) -> Kernel:
+    """SGD over the leaves; with dampening, each leaf's first update starts its buffer."""
+    has_buf = hp.momentum != 0
+
+    def kernel(
+        p: list[torch.Tensor],
+        g: list[torch.Tensor],
+        m: list[list[torch.Tensor]],
+        lr: float,
+        steps: list[torch.Tensor] | None,
+        count: int,
+    ) -> None:
+        buf = m[0] if has_buf else []
+        if steps is None:
+            # buffers start at zero, so momentum * 0 + d == d: a leaf's first update
+            # needs no flag of its own (only the role's very first uses the fused flag)
+            _group(p, g, buf, hp, lr, count == 0)
+            return
+        first = {i for i, s in enumerate(steps) if float(s) == 1.0}
+        if len(first) in (0, len(p)):
+            _group(p, g, buf, hp, lr, bool(first))
+            return
+        for is_first in (True, False):
+            ids = [i for i in range(len(p)) if (i in first) == is_first]
+            _group(
+                [p[i] for i in ids], [g[i] for i in ids], [buf[i] for i in ids], hp, lr, is_first
+            )
+
+    return kernel
+
+
 def sgd(
     lr: ScalarOrSchedule = 1e-3,
     momentum: float = 0.0,
@@ -113,12 +138,16 @@ def sgd(
 
     State (a TensorDict): ``count`` (int64 0-dim CPU, updates done), ``lr``
     (float64 0-dim CPU, the lr of the last update; before the first, the lr it
-    will use) and, when ``momentum != 0``, ``momentum_buffer`` (a tree like
-    params, in their dtype and device). Update ``n`` (0-based) uses ``lr(n)``.
+    will use), when ``momentum != 0`` ``momentum_buffer`` (a tree like params,
+    in their dtype and device), and with momentum and ``dampening != 0``
+    ``steps`` (per-parameter update counts: a parameter's first update sets its
+    buffer to ``d``, as torch does when ``momentum_buffer`` is None). Update
+    ``n`` (0-based) uses ``lr(n)``; a parameter left out of ``grads`` is not
+    touched.
     ``step(..., donate=True)`` updates params and buffers in place with
     ``torch._fused_sgd_`` (``_foreach_*`` where no fused kernel exists, and for
     fp16/bf16 on CPU, where torch 2.13's fused SGD is wrong: pytorch/pytorch#191763);
-    ``donate=False`` runs it on fresh copies. ``update`` returns ``-lr * d``.
+    ``donate=False`` runs it on fresh copies. ``update`` returns ``new_params - params`` of the same step.
 
     Args:
         lr: learning rate >= 0, or a schedule ``count -> lr``.
@@ -139,52 +168,13 @@ def sgd(
     hp = SGDHParams(
         lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov
     )
-    has_buf = hp.momentum != 0
-
-    def init(params: TensorDictBase) -> TensorDict:
-        check_floating(params, "sgd")
-        state: dict[str, object] = dict(scalar_state(0, lr_at(hp.lr, 0)))
-        if has_buf:
-            state["momentum_buffer"] = tree.zeros_like(params)
-        return TensorDict(state, batch_size=[])
-
-    step = in_place_step(
-        hp.lr,
-        ("momentum_buffer",) if has_buf else (),
-        lambda p, g, m, lr, count: _kernel(p, g, m[0] if has_buf else [], hp, lr, count == 0),
+    return kernel_transform(
+        name="sgd",
+        hparams=hp,
+        lr=hp.lr,
+        moments=("momentum_buffer",) if hp.momentum != 0 else (),
+        kernel=_kernel(hp),
+        steps=hp.momentum != 0 and hp.dampening != 0,
+        fused_steps=False,
+        decays=hp.weight_decay != 0,
     )
-
-    def update(
-        grads: TensorDictBase,
-        state: TensorDictBase,
-        params: TensorDictBase | None,
-        *,
-        donate: bool = False,
-    ) -> tuple[TensorDict, TensorDict]:
-        check_grads(grads, params, state["momentum_buffer"] if has_buf else None)
-        if params is None and hp.weight_decay != 0:
-            raise ValueError("sgd.update needs params when weight_decay != 0")
-        n = int(state["count"])
-        lr = lr_at(hp.lr, n)
-        g_leaves = tree.leaves(grads)
-        if not g_leaves:  # nothing to optimize (foreach ops reject empty lists)
-            empty: dict[str, object] = dict(scalar_state(n + 1, lr))
-            if has_buf:
-                empty["momentum_buffer"] = state["momentum_buffer"].clone()
-            return cast(TensorDict, grads.clone()), TensorDict(empty, batch_size=[])
-        p = locals_(tree.leaves(params)) if params is not None else []
-        mb = state["momentum_buffer"] if has_buf else None
-        mb_leaves = tree.leaves(mb) if mb is not None else []
-        buf = locals_(mb_leaves)
-        if not donate:
-            buf = [t.clone() for t in buf]
-        d = _direction(p, locals_(g_leaves), buf, hp, n == 0)
-        upd = list(torch._foreach_mul(d, -lr))
-        new_state: dict[str, object] = dict(scalar_state(n + 1, lr))
-        if mb is not None:
-            new_state["momentum_buffer"] = (
-                mb if donate else tree.rebuild(mb, wrap_like(mb_leaves, buf))
-            )
-        return tree.rebuild(grads, wrap_like(g_leaves, upd)), TensorDict(new_state, batch_size=[])
-
-    return Transform(init_fn=init, update_fn=update, step_fn=step, name="sgd", hparams=hp)
