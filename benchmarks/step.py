@@ -407,7 +407,7 @@ def _median_us(fn: Callable[[], Any], n: int = 200) -> float:
 
 def breakdown(case: str) -> list[tuple[str, float]]:
     """Median cost (µs) of the parts of a purestep step that the torch loop does not have."""
-    from purestep.step import _grad
+    from purestep.step import _grad, _swap
 
     model, batch_d = build(case)
     opts = {"student": optim.adamw(lr=LR)}
@@ -422,7 +422,16 @@ def breakdown(case: str) -> list[tuple[str, float]]:
         with params.to_module(model):
             pass
 
-    rows.append(("call: params.to_module enter+exit", _median_us(to_module)))
+    rows.append(("params.to_module enter+exit (reference)", _median_us(to_module)))
+
+    def swap_in_out() -> None:
+        plan = _swap.plan_for(model, params)
+        _swap.acquire(plan, model)
+        olds = _swap.swap(plan, params, leaves)
+        _swap.restore(plan, olds, params, leaves)
+        _swap.release(plan)
+
+    rows.append(("call's swap: layout check, plan, swap in+out", _median_us(swap_in_out)))
     rows.append(("tree.leaves(params)", _median_us(lambda: tree.leaves(params))))
     rows.append(
         (
@@ -453,7 +462,7 @@ def breakdown(case: str) -> list[tuple[str, float]]:
             _median_us(lambda: tree.assert_same_structure(params, grads)),
         )
     )
-    rows.append(("is_bound(params)", _median_us(lambda: _grad.is_bound(params))))
+    rows.append(("is_bound(params)", _median_us(lambda: purestep.step.is_bound(params))))
     rows.append(("_as_metrics({})", _median_us(lambda: _grad._as_metrics({}))))
     rows.append(
         (

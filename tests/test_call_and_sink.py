@@ -109,7 +109,7 @@ def test_accumulating_in_grad_attributes_equals_summing_grad_lists(
         torch.testing.assert_close(g1[key], g0[key], rtol=1e-6, atol=1e-7, msg=str(key))
     for key in m0.keys(True, True):
         assert torch.equal(m0[key], m1[key]), key
-    assert (g1["s", "unused", "weight"] == 0).all()
+    assert ("s", "unused", "weight") not in g1.keys(True, True)  # no gradient reaches it
 
 
 @pytest.mark.parametrize("k", [1, 2, 3, 7])
@@ -131,9 +131,11 @@ def test_accumulate_is_bitwise_equal_to_the_imperative_accumulation_loop(k: int)
         loss = ((s(x) - y) ** 2).mean()
         (loss * (n / b) if k > 1 else loss).backward()
     for name, p in s.named_parameters():
-        expected = p.grad if p.grad is not None else torch.zeros_like(p)
-        got = grads["s"].get(tuple(name.split(".")))
-        assert torch.equal(got, expected), f"{name}: max diff {(got - expected).abs().max()}"
+        got = grads["s"].get(tuple(name.split(".")), None)
+        if p.grad is None:  # no gradient reached it: none in purestep either
+            assert got is None, name
+            continue
+        assert torch.equal(got, p.grad), f"{name}: max diff {(got - p.grad).abs().max()}"
 
 
 def test_a_leaf_reached_on_some_microbatches_only_accumulates_exactly_those() -> None:

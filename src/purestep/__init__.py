@@ -18,7 +18,7 @@ Example:
 """
 
 from purestep import checkpoint, loop, optim, rng, tree
-from purestep.state import init_state, params_of, roles
+from purestep.state import buffers_of, init_state, params_of, roles, variables
 from purestep.step import (
     EMAStep,
     NonFiniteError,
@@ -27,6 +27,7 @@ from purestep.step import (
     accumulate,
     apply_gradients,
     call,
+    call_scope,
     current_microbatch,
     live_roles,
     skip_nonfinite,
@@ -45,7 +46,9 @@ __all__ = [
     "__version__",
     "accumulate",
     "apply_gradients",
+    "buffers_of",
     "call",
+    "call_scope",
     "checkpoint",
     "current_microbatch",
     "init_state",
@@ -59,5 +62,6 @@ __all__ = [
     "train_step",
     "tree",
     "value_and_grad",
+    "variables",
     "with_ema",
 ]

@@ -7,6 +7,7 @@ Layout (see ``docs/ARCHITECTURE.md``)::
         "opt_state": {role: {...}},                     # per-role optimizer state
         "rng":       int64 0-dim CPU tensor,            # root PRNG key
         "step":      int64 0-dim CPU tensor,            # steps taken by the method
+        "buffers":   {role: {module-path...: Tensor}},  # persistent buffers (when a role has any)
     }, batch_size=[])
 
 Wrappers add their own keys (``"ema"``, ``"skip"``), methods their ``"extra"``.
@@ -23,8 +24,9 @@ from torch import nn
 
 from purestep import rng, tree
 from purestep.optim import Transform
+from purestep.step._swap import layout_of
 
-__all__ = ["ParamSource", "init_state", "params_of", "roles"]
+__all__ = ["ParamSource", "buffers_of", "init_state", "params_of", "roles", "variables"]
 
 
 @runtime_checkable
@@ -41,10 +43,8 @@ class ParamSource(Protocol):
 
 
 def _module_params(role: str, module: nn.Module) -> TensorDict:
-    items = []
-    for name, p in module.named_parameters():
-        if p.requires_grad:
-            items.append((tuple(name.split(".")), p.detach().clone()))
+    layout = layout_of(module)  # tied parameters once, under their first name; no _orig_mod.
+    items = [(path, p.detach().clone()) for path, p in layout.params if p.requires_grad]
     if not items:
         raise ValueError(
             f"role {role!r}: module {type(module).__name__} has no trainable parameters "
@@ -52,6 +52,29 @@ def _module_params(role: str, module: nn.Module) -> TensorDict:
             "capture them in the loss function instead"
         )
     return tree.unflatten(items)
+
+
+def buffers_of(role: str, module: nn.Module, *, copy: bool = True) -> TensorDict | None:
+    """A module's persistent buffers (copied, nested by module path), or None when it has none.
+
+    With ``copy=False`` the tree holds the module's own buffer tensors (a
+    binding whose state aliases the module, such as FSDP's).
+
+    Non-persistent buffers (``register_buffer(..., persistent=False)``: rotary
+    caches, attention masks) are derived data, not state, and stay with the module.
+
+    Example:
+        >>> from torch import nn
+        >>> sorted(buffers_of("student", nn.BatchNorm1d(2)).keys())
+        ['num_batches_tracked', 'running_mean', 'running_var']
+    """
+    layout = layout_of(module)
+    items = [
+        (path, b.detach().clone() if copy else b)
+        for path, b, persistent in layout.buffers
+        if persistent
+    ]
+    return tree.unflatten(items) if items else None
 
 
 def _check_params(role: str, params: TensorDictBase) -> None:
@@ -77,7 +100,10 @@ def params_of(role: str, source: nn.Module | TensorDictBase | ParamSource) -> Te
     """A role's params as a TensorDict detached from autograd.
 
     * ``nn.Module``: its trainable parameters (``requires_grad=True``), copied,
-      nested by module path; buffers and frozen params stay with the module.
+      nested by module path. A tied parameter (GPT-2's ``lm_head.weight`` is
+      ``transformer.wte.weight``) is one leaf, under its first name in
+      ``named_parameters()``; ``torch.compile`` wrappers add no ``_orig_mod.``.
+      Frozen params stay with the module (buffers: :func:`buffers_of`).
     * ``TensorDict``: used as given, detached (no copy).
     * a :class:`ParamSource` (such as an FSDP binding): its params, which alias
       the module's own parameters.
@@ -102,6 +128,18 @@ def params_of(role: str, source: nn.Module | TensorDictBase | ParamSource) -> Te
     return out
 
 
+def _source_buffers(
+    role: str, source: nn.Module | TensorDictBase | ParamSource
+) -> TensorDictBase | None:
+    if isinstance(source, nn.Module):
+        return buffers_of(role, source)
+    if isinstance(source, ParamSource):
+        get = getattr(source, "buffers", None)
+        found = get() if callable(get) else None
+        return found if isinstance(found, TensorDictBase) else None
+    return None
+
+
 def init_state(
     params: Mapping[str, nn.Module | TensorDictBase | ParamSource],
     optimizers: Mapping[str, Transform],
@@ -120,7 +158,10 @@ def init_state(
         extra: optional method-owned tensors stored under ``state["extra"]``.
 
     Returns:
-        A TensorDict with ``params``, ``opt_state``, ``rng`` and ``step`` (``0``).
+        A TensorDict with ``params``, ``opt_state``, ``rng`` and ``step`` (``0``),
+        and ``buffers`` ``{role: tree}`` for the roles whose modules have
+        persistent buffers (BatchNorm statistics): the step swaps them in with
+        the params and returns their updates in the new state.
 
     Raises:
         ValueError: an optimizer for a role that has no params, a role with no
@@ -148,16 +189,21 @@ def init_state(
                 f"optimizers[{role!r}] is {type(opt).__name__}; expected a purestep.optim.Transform"
             )
     role_params = {role: params_of(role, src) for role, src in params.items()}
+    role_buffers: dict[str, TensorDictBase] = {}
+    for role, src in params.items():
+        found = _source_buffers(role, src)
+        if found is not None:
+            role_buffers[role] = found
     opt_state = {role: opt.init(role_params[role]) for role, opt in optimizers.items()}
-    state = TensorDict(
-        {
-            "params": TensorDict(role_params, batch_size=[]),
-            "opt_state": TensorDict(opt_state, batch_size=[]),
-            "rng": rng.key(seed),
-            "step": torch.zeros((), dtype=torch.int64),
-        },
-        batch_size=[],
-    )
+    content: dict[str, Any] = {
+        "params": TensorDict(role_params, batch_size=[]),
+        "opt_state": TensorDict(opt_state, batch_size=[]),
+        "rng": rng.key(seed),
+        "step": torch.zeros((), dtype=torch.int64),
+    }
+    if role_buffers:
+        content["buffers"] = TensorDict(role_buffers, batch_size=[])
+    state = TensorDict(content, batch_size=[])
     if extra is not None:
         state["extra"] = extra if isinstance(extra, TensorDictBase) else TensorDict(extra, [])
     return state
@@ -174,3 +220,38 @@ def roles(state: TensorDictBase) -> list[str]:
         ['student']
     """
     return list(state["params"].keys())
+
+
+def variables(state: TensorDictBase, role: str, *, ema: bool = False) -> TensorDict:
+    """A role's params (or EMA params) and buffers as one tree, to :func:`purestep.call` with.
+
+    Outside a step (evaluation, sampling) a module needs its buffers too
+    (BatchNorm's running statistics live in ``state["buffers", role]``, not in
+    the module). With ``ema=True`` the EMA params (:func:`purestep.with_ema`)
+    and, when kept, the EMA buffers are used.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> from purestep import call, optim
+        >>> net = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
+        >>> s = init_state({"student": net}, {"student": optim.sgd(0.1)}, seed=0)
+        >>> net.eval()(torch.ones(1, 2)).shape == call(net, variables(s, "student"), torch.ones(1, 2)).shape
+        True
+    """
+    keys = state.keys()
+    if ema:
+        if ("ema", role) not in state.keys(include_nested=True):
+            raise KeyError(f"variables: state has no EMA for role {role!r} (see with_ema)")
+        params = state.get(("ema", role))
+        if "ema_buffers" in keys and role in state.get("ema_buffers").keys():
+            return tree.merge(params, state.get(("ema_buffers", role)), what=f"role {role!r}")
+    else:
+        if role not in state.get("params").keys():
+            raise KeyError(
+                f"variables: no params for role {role!r} (roles: {list(state.get('params').keys())})"
+            )
+        params = state.get(("params", role))
+    if "buffers" in keys and role in state.get("buffers").keys():
+        return tree.merge(params, state.get(("buffers", role)), what=f"role {role!r}")
+    return tree.plain_td(dict(params.items())) if type(params) is TensorDict else params.copy()

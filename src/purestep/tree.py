@@ -42,10 +42,12 @@ __all__ = [
     "leaves",
     "local",
     "map_with_leaves",
+    "merge",
     "norm_memo",
     "paths",
     "plain_td",
     "rebuild",
+    "select",
     "unflatten",
     "zeros_like",
 ]
@@ -279,6 +281,62 @@ def _map_plain(
         else:
             return None
     return plain_td(src, like._batch_size)
+
+
+def merge(
+    a: TensorDictBase, b: TensorDictBase, *, what: str = "trees", keep_a: bool = False
+) -> TensorDict:
+    """The union of two trees with disjoint leaf paths (``a``'s order first); no copies.
+
+    Raises ``ValueError`` naming the path where both have a leaf (unless
+    ``keep_a``: then ``a``'s leaf wins), or where one has a leaf and the other
+    a subtree.
+
+    Example:
+        >>> from tensordict import TensorDict
+        >>> p = TensorDict({"bn": {"weight": torch.ones(1)}}, [])
+        >>> b = TensorDict({"bn": {"running_mean": torch.zeros(1)}}, [])
+        >>> paths(merge(p, b))
+        [('bn', 'weight'), ('bn', 'running_mean')]
+    """
+
+    def node(td: TensorDictBase) -> dict[str, Any]:
+        return dict(td._tensordict) if type(td) is TensorDict else dict(td.items())
+
+    def rec(x: TensorDictBase, y: TensorDictBase, prefix: KeyPath) -> TensorDict:
+        out = node(x)
+        for k, v in node(y).items():
+            mine = out.get(k)
+            if mine is None:
+                out[k] = v
+            elif isinstance(mine, TensorDictBase) and isinstance(v, TensorDictBase):
+                out[k] = rec(mine, v, (*prefix, k))
+            elif keep_a and isinstance(mine, torch.Tensor) and isinstance(v, torch.Tensor):
+                continue
+            else:
+                raise ValueError(f"{what}: both trees have {format_path((*prefix, k))!r}")
+        return plain_td(out)
+
+    return rec(a, b, ())
+
+
+def select(like: TensorDictBase, values: Sequence[torch.Tensor | None]) -> TensorDict:
+    """A tree with ``like``'s paths where ``values`` (in :func:`leaves` order) is not None.
+
+    Subtrees left without leaves are dropped.
+
+    Example:
+        >>> from tensordict import TensorDict
+        >>> td = TensorDict({"a": torch.ones(1), "b": {"c": torch.ones(1)}}, [])
+        >>> paths(select(td, [torch.zeros(1), None]))
+        [('a',)]
+    """
+    if all(v is not None for v in values):
+        return rebuild(like, cast(list[torch.Tensor], values))
+    ps = paths(like)
+    if len(ps) != len(values):
+        raise ValueError(f"select: {len(values)} values for a tree of {len(ps)} leaves")
+    return unflatten([(p, v) for p, v in zip(ps, values, strict=True) if v is not None])
 
 
 def unflatten(items: Sequence[tuple[KeyPath, torch.Tensor]]) -> TensorDict:

@@ -53,12 +53,10 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from purestep import tree
+from purestep.state import buffers_of
 from purestep.step._batch import Batch, as_batch, batch_size, with_index
-from purestep.step._grad import (
-    Microbatch,
-    register_bound_backward_hook,
-    register_bound_metrics_hook,
-)
+from purestep.step._bound import register_bound_backward_hook, register_bound_metrics_hook
+from purestep.step._context import Microbatch
 
 __all__ = [
     "FSDPBinding",
@@ -185,6 +183,18 @@ class FSDPBinding:
                     "by another object; bound params must alias the module's parameters"
                 )
         return out
+
+    def buffers(self) -> TensorDict | None:
+        """The module's persistent buffers (its own tensors, not copies), or None.
+
+        Buffers are not sharded: every rank keeps its own (BatchNorm statistics
+        of its local batches, unless synchronised); a checkpoint saves rank 0's.
+
+        Example:
+            >>> bind(nn.BatchNorm1d(2)).buffers() is not None  # doctest: +SKIP
+            True
+        """
+        return buffers_of("bound", self.module, copy=False)
 
     def reshard(self) -> None:
         """Reshard every FSDP module (``FSDPModule.reshard`` does not recurse).

@@ -6,16 +6,11 @@ Every builder returns a function with the step signature
 
 from purestep.step._accumulate import accumulate, microbatch_sizes
 from purestep.step._batch import Batch, as_batch, with_index
-from purestep.step._grad import (
-    GradFn,
-    LossFn,
-    Microbatch,
-    call,
-    current_microbatch,
-    is_bound,
-    live_roles,
-    value_and_grad,
-)
+from purestep.step._bound import is_bound
+from purestep.step._call import call, call_scope, recording_modules
+from purestep.step._context import Microbatch, current_microbatch, live_roles
+from purestep.step._grad import GradFn, LossFn, value_and_grad
+from purestep.step._swap import ModuleInUseError, module_tensors
 from purestep.step._train import NonFiniteError, Step, TrainStep, apply_gradients, train_step
 from purestep.step._wrappers import EMAStep, skip_nonfinite, with_ema
 
@@ -25,6 +20,7 @@ __all__ = [
     "GradFn",
     "LossFn",
     "Microbatch",
+    "ModuleInUseError",
     "NonFiniteError",
     "Step",
     "TrainStep",
@@ -32,10 +28,13 @@ __all__ = [
     "apply_gradients",
     "as_batch",
     "call",
+    "call_scope",
     "current_microbatch",
     "is_bound",
     "live_roles",
     "microbatch_sizes",
+    "module_tensors",
+    "recording_modules",
     "skip_nonfinite",
     "train_step",
     "value_and_grad",

@@ -3,14 +3,25 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from tensordict import TensorDict, TensorDictBase
 
 from purestep import tree
 from purestep.step._batch import batch_size, with_index
-from purestep.step._grad import GradFn, Microbatch, is_bound, microbatch_scope
+from purestep.step._bound import is_bound
+from purestep.step._context import Microbatch, microbatch_scope
+from purestep.step._grad import GradFn
 from purestep.step._sink import GradSink, sink_scope
+
+KeyPath = tuple[str, ...]
+
+
+def _from_paths(like: TensorDictBase, by_path: dict[KeyPath, torch.Tensor]) -> TensorDict:
+    """``like``'s structure with the leaves in ``by_path`` (paths not there left out)."""
+    return tree.select(like, [by_path.get(p) for p in tree.paths(like)])
+
 
 __all__ = ["accumulate", "microbatch_sizes"]
 
@@ -32,24 +43,23 @@ def microbatch_sizes(b: int, k: int) -> list[int]:
     return [q + 1 if i < r else q for i in range(k)]
 
 
-def _scale_(tensors: list[torch.Tensor], w: float) -> None:
-    if w != 1.0 and tensors:
-        torch._foreach_mul_([tree.local(t) for t in tensors], w)
+def _add_into(acc: dict[KeyPath, torch.Tensor], g: TensorDictBase, w: float) -> None:
+    """``acc[path] += w * g[path]`` for every leaf of ``g`` (new paths start at ``w * g``)."""
+    for path, leaf in zip(tree.paths(g), tree.leaves(g), strict=True):
+        have = acc.get(path)
+        if have is None:
+            acc[path] = leaf * w if w != 1.0 else leaf.clone()
+        else:
+            tree.local(have).add_(tree.local(leaf), alpha=w)
 
 
-def _add_(acc: list[torch.Tensor], new: list[torch.Tensor], w: float) -> None:
-    if acc:
-        torch._foreach_add_([tree.local(t) for t in acc], [tree.local(t) for t in new], alpha=w)
-
-
-def _is_sink(sink: GradSink, role: str, leaves: list[torch.Tensor]) -> bool:
-    """Whether ``leaves`` are the sink's accumulators for ``role`` (already weighted and summed)."""
-    acc = sink.acc.get(role)
-    return (
-        acc is not None
-        and len(acc) == len(leaves)
-        and all(a is b for a, b in zip(acc, leaves, strict=True))
-    )
+def _owned(sink: GradSink, role: str, g: TensorDictBase) -> bool:
+    """Whether ``g`` is exactly the sink's accumulated ``.grad`` tensors for ``role``."""
+    if role not in sink.tracked:
+        return False
+    mine = [t for t in sink.grads(role) if t is not None]
+    got = tree.leaves(g)
+    return len(mine) == len(got) and all(a is b for a, b in zip(mine, got, strict=True))
 
 
 def accumulate(grad_fn: GradFn, k: int) -> GradFn:
@@ -94,16 +104,24 @@ def accumulate(grad_fn: GradFn, k: int) -> GradFn:
         key: torch.Tensor,
         *,
         roles: Sequence[str] | None = None,
+        buffers: TensorDictBase | None = None,
+        donate: bool = False,
     ) -> tuple[TensorDict, TensorDict]:
         batch = with_index(batch)
         b = batch_size(batch)
         sizes = microbatch_sizes(b, k)
+        extra: dict[str, Any] = {}
+        if buffers is not None:
+            extra["buffers"] = buffers
+        if donate:
+            extra["donate"] = True
         if k == 1:
-            return grad_fn(params, batch, key, roles=roles)
-        grads: TensorDict | None = None
+            return grad_fn(params, batch, key, roles=roles, **extra)
         metrics: TensorDict | None = None
-        g_acc: dict[str, list[torch.Tensor]] = {}
         m_acc: list[torch.Tensor] = []
+        listed: dict[str, dict[KeyPath, torch.Tensor]] = {}  # roles summed here, by path
+        from_sink: list[str] = []  # roles summed in .grad by value_and_grad
+        harvested: dict[str, TensorDictBase] = {}  # bound roles: the sum, at the last microbatch
         sink = GradSink()
         start = 0
         for i, n in enumerate(sizes):
@@ -111,38 +129,51 @@ def accumulate(grad_fn: GradFn, k: int) -> GradFn:
             start += n
             w = n / b
             with microbatch_scope(Microbatch(index=i, count=k, weight=w)), sink_scope(sink, w):
-                g, m = grad_fn(params, mb, key, roles=roles)
+                g, m = grad_fn(params, mb, key, roles=roles, **extra)
             m_leaves = [
                 t.to(torch.float32) if not t.is_floating_point() else t for t in tree.leaves(m)
             ]
             if metrics is None:
                 metrics = tree.rebuild(m, [t * w for t in m_leaves])
                 m_acc = tree.leaves(metrics)
-            else:
-                _add_(m_acc, m_leaves, w)
-            leaves: list[torch.Tensor] = []
+            elif m_acc:
+                torch._foreach_add_(m_acc, m_leaves, alpha=w)
             for role_key in g.keys():
                 role = str(role_key)
-                leaves = tree.leaves(g.get(role))
+                role_grads = g.get(role)
                 if is_bound(params.get(role)):
-                    # already the weighted sum, harvested on the last microbatch
-                    g_acc[role] = leaves
-                elif _is_sink(sink, role, leaves):
-                    g_acc[role] = sink.acc[role]  # accumulated in .grad by backward (_sink.py)
-                elif role not in g_acc:
-                    _scale_(leaves, w)
-                    g_acc[role] = leaves
-                    sink.blocked.add(role)
+                    harvested[role] = role_grads  # the weighted sum, on the last microbatch
+                elif role in sink.served:
+                    if not _owned(sink, role, role_grads):
+                        raise RuntimeError(
+                            f"accumulate: the grads of role {role!r} are not the ones "
+                            "value_and_grad accumulated (a wrapper between accumulate and "
+                            "value_and_grad changed them per microbatch); transform gradients "
+                            "after accumulate, e.g. in the optimizer chain"
+                        )
+                    if role not in from_sink:
+                        from_sink.append(role)
                 else:
-                    _add_(g_acc[role], leaves, w)
-            if grads is None:
-                grads = g
-            else:
-                for new_role in g.keys():
-                    if new_role not in grads.keys():
-                        grads.set(new_role, g.get(new_role))
-            del g, m, m_leaves, leaves  # free this microbatch's grads before the next backward
-        assert grads is not None and metrics is not None
-        return grads, metrics
+                    _add_into(listed.setdefault(role, {}), role_grads, w)
+            del g, m, m_leaves  # free this microbatch's grads before the next backward
+        assert metrics is not None
+        out: dict[str, TensorDictBase] = {}
+        for role in params.keys():
+            if role in harvested:
+                out[role] = harvested[role]
+            elif role in from_sink:
+                if role in listed:
+                    raise RuntimeError(
+                        f"accumulate: role {role!r} got gradients both through "
+                        "value_and_grad's accumulation and from another grad_fn"
+                    )
+                grads = sink.grads(role)
+                for t in sink.tracked[role][2]:
+                    t.grad = None
+                like = params.get(role)
+                out[role] = tree.select(like, grads)
+            elif role in listed:
+                out[role] = _from_paths(params.get(role), listed[role])
+        return tree.plain_td(out), metrics
 
     return acc_fn

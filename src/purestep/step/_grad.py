@@ -1,43 +1,43 @@
-"""Functional calls and gradients: ``call``, ``value_and_grad``, ``live_roles``.
+"""``value_and_grad``: gradients of a loss over explicit params, as the imperative loop gets them.
 
 Two kinds of roles:
 
 * **functional** roles (the default): state params are plain tensors; the loss
-  function runs modules with them through :func:`call`, and grads come from
-  ``torch.autograd.grad``.
+  function runs modules with them through :func:`purestep.call`. The step makes
+  fresh requires-grad leaves that share the params' memory, runs the loss and
+  ``torch.autograd.backward(loss, inputs=leaves)``, and takes each leaf's
+  ``.grad``: autograd's own accumulation, so gradients have their parameter's
+  memory layout (channels_last, never stride 0), a parameter no gradient
+  reaches has none (it is skipped by the optimizer, as in torch), and the
+  result is bitwise the imperative loop's.
 * **bound** roles: state params *are* a module's ``nn.Parameter`` objects (an
-  FSDP2 binding, :func:`purestep.distributed.fsdp.bind`). The module runs with
-  its own params, grads come from ``backward()`` and ``.grad`` (FSDP reduces
-  them there), and accumulation weights each microbatch's loss before
-  ``backward`` so ``.grad`` holds the weighted sum at the last microbatch.
+  FSDP2 binding, :mod:`purestep.step._bound`).
+
+The loss runs inside a :func:`purestep.step.call_scope` that closes after the
+backward pass, so activation checkpointing recomputes with the same tensors.
+Checkpointing with ``use_reentrant=True`` cannot run under ``inputs=`` (torch
+refuses); when the graph holds such a checkpoint the backward runs without
+``inputs`` and the gradients of every other leaf it reaches are put back as
+they were.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextvars import ContextVar
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
-import attrs
 import torch
 from tensordict import TensorDict, TensorDictBase
-from torch import nn
 
 from purestep import tree
+from purestep.step._bound import bound_grads, is_bound
+from purestep.step._call import call_scope
+from purestep.step._context import live_scope
 from purestep.step._sink import GradSink, take_sink
-from purestep.step._swap import swapped
 
-__all__ = [
-    "GradFn",
-    "LossFn",
-    "Microbatch",
-    "call",
-    "current_microbatch",
-    "is_bound",
-    "live_roles",
-    "value_and_grad",
-]
+__all__ = ["GradFn", "LossFn", "value_and_grad"]
+
+KeyPath = tuple[str, ...]
 
 LossFn = Callable[
     [TensorDictBase, TensorDictBase, torch.Tensor],
@@ -46,7 +46,13 @@ LossFn = Callable[
 
 
 class GradFn(Protocol):
-    """``grad_fn(params, batch, key, *, roles=None) -> (grads, metrics)``."""
+    """``grad_fn(params, batch, key, *, roles=None, buffers=None, donate=False) -> (grads, metrics)``.
+
+    ``buffers`` (optional) is the caller's working copy ``{role: tree}`` of the
+    roles' buffers: the forward's updates are written into it (see
+    :func:`value_and_grad`). ``donate=True`` allows the forward to write into
+    ``params`` (a donated step); otherwise ``params`` are never written.
+    """
 
     def __call__(
         self,
@@ -55,224 +61,9 @@ class GradFn(Protocol):
         key: torch.Tensor,
         *,
         roles: Sequence[str] | None = None,
+        buffers: TensorDictBase | None = None,
+        donate: bool = False,
     ) -> tuple[TensorDict, TensorDict]: ...
-
-
-@attrs.frozen
-class Microbatch:
-    """Where a ``grad_fn`` call sits inside :func:`purestep.accumulate`.
-
-    Attributes:
-        index: 0-based microbatch number.
-        count: number of microbatches ``k``.
-        weight: this microbatch's share of the full batch (``size / B``).
-    """
-
-    index: int = 0
-    count: int = 1
-    weight: float = 1.0
-
-    @property
-    def is_last(self) -> bool:
-        """True on the final microbatch (when bound roles sync and harvest grads)."""
-        return self.index == self.count - 1
-
-
-_LIVE: ContextVar[frozenset[str] | None] = ContextVar("purestep_live_roles", default=None)
-_MICRO: ContextVar[Microbatch] = ContextVar("purestep_microbatch", default=Microbatch())  # noqa: B039 (frozen)
-
-# Called as hook(role_leaves, microbatch) right before backward() of a bound role;
-# the FSDP adapter registers one to switch gradient sync on the last microbatch only.
-BoundBackwardHook = Callable[[Sequence[torch.Tensor], Microbatch], None]
-_BOUND_HOOKS: list[BoundBackwardHook] = []
-
-
-# Called as hook(bound_leaves, metrics) -> metrics by train_step when the state has
-# bound roles; the FSDP adapter registers one that averages the per-rank metrics.
-BoundMetricsHook = Callable[[Sequence[torch.Tensor], TensorDict], TensorDict]
-_BOUND_METRICS_HOOKS: list[BoundMetricsHook] = []
-
-
-def register_bound_backward_hook(hook: BoundBackwardHook) -> None:
-    """Register ``hook(role_leaves, microbatch)``, run before ``backward()`` of bound roles.
-
-    Used by adapters: the FSDP adapter turns gradient sync on for the last
-    microbatch only. Registering the same hook twice has no effect.
-
-    Example:
-        >>> register_bound_backward_hook(lambda leaves, mb: None)  # doctest: +SKIP
-    """
-    if hook not in _BOUND_HOOKS:
-        _BOUND_HOOKS.append(hook)
-
-
-def register_bound_metrics_hook(hook: BoundMetricsHook) -> None:
-    """Register ``hook(bound_leaves, metrics) -> metrics``, run by ``train_step`` (adapters).
-
-    The FSDP adapter registers one that averages per-rank metrics over the
-    data-parallel ranks, so a bound step logs the same loss as one process.
-
-    Example:
-        >>> register_bound_metrics_hook(lambda leaves, metrics: metrics)  # doctest: +SKIP
-    """
-    if hook not in _BOUND_METRICS_HOOKS:
-        _BOUND_METRICS_HOOKS.append(hook)
-
-
-def reduce_bound_metrics(params: TensorDictBase, metrics: TensorDict) -> TensorDict:
-    """Pass ``metrics`` through the bound-metrics hooks when ``params`` has bound roles.
-
-    With functional roles only, ``metrics`` is returned as is (no hook runs).
-
-    Example:
-        >>> from tensordict import TensorDict
-        >>> m = TensorDict({"loss": torch.tensor(1.0)}, [])
-        >>> reduce_bound_metrics(TensorDict({"s": {"w": torch.ones(1)}}, []), m) is m
-        True
-    """
-    if not _BOUND_METRICS_HOOKS:
-        return metrics
-    bound: list[torch.Tensor] = []
-    for role in params.keys():
-        role_params = params.get(role)
-        if is_bound(role_params):
-            bound.extend(tree.leaves(role_params))
-    if not bound:
-        return metrics
-    for hook in _BOUND_METRICS_HOOKS:
-        metrics = hook(bound, metrics)
-    return metrics
-
-
-def live_roles() -> frozenset[str] | None:
-    """The roles whose gradients the current ``grad_fn`` call computes.
-
-    A loss function can skip the work of roles that are not live on this step
-    (e.g. DMD2's student on non-update steps). ``None`` outside a ``grad_fn`` call.
-
-    Example:
-        >>> live_roles() is None
-        True
-    """
-    return _LIVE.get()
-
-
-def current_microbatch() -> Microbatch:
-    """The :class:`Microbatch` being computed (``Microbatch()`` outside accumulation).
-
-    Example:
-        >>> current_microbatch().is_last
-        True
-    """
-    return _MICRO.get()
-
-
-@contextlib.contextmanager
-def microbatch_scope(mb: Microbatch) -> Iterator[None]:
-    """Mark the enclosed ``grad_fn`` call as microbatch ``mb`` (used by ``accumulate``)."""
-    token = _MICRO.set(mb)
-    try:
-        yield
-    finally:
-        _MICRO.reset(token)
-
-
-def is_bound(params: TensorDictBase) -> bool:
-    """True when ``params`` are a module's own ``nn.Parameter`` objects (a bound role).
-
-    Example:
-        >>> from tensordict import TensorDict
-        >>> is_bound(TensorDict({"w": torch.ones(1)}, []))
-        False
-    """
-    first = tree.first_leaf(params)
-    return isinstance(first, nn.Parameter)
-
-
-def call(module: nn.Module, params: TensorDictBase, *args: Any, **kwargs: Any) -> Any:
-    """Run ``module(*args, **kwargs)`` with ``params`` in place of its own parameters.
-
-    The module's own parameters are restored afterwards; the module keeps no
-    reference to ``params``. Keys of ``params`` follow the module tree (as
-    :meth:`TensorDict.from_module`); params not in ``params`` (frozen ones,
-    buffers) are the module's own. When ``params`` are the module's own
-    ``nn.Parameter`` objects (a bound role) the module is called directly.
-
-    FSDP-managed modules cannot take other params (FSDP registers its own in
-    forward), so DTensor ``params`` that are not the bound parameters must be
-    *detached views* of them (``params.detach()``), used under
-    ``torch.no_grad()``: the module is then called directly. Anything else
-    (other weights such as an EMA copy, or detached params with grad enabled)
-    raises ``ValueError``.
-
-    Example:
-        >>> import torch
-        >>> from torch import nn
-        >>> from tensordict import TensorDict
-        >>> lin = nn.Linear(1, 1)
-        >>> p = TensorDict({"weight": torch.full((1, 1), 2.0), "bias": torch.zeros(1)}, [])
-        >>> call(lin, p, torch.ones(1, 1))
-        tensor([[2.]])
-    """
-    first = tree.first_leaf(params)
-    if isinstance(first, nn.Parameter):
-        return module(*args, **kwargs)
-    if getattr(module, "_is_fsdp_managed_module", False) and hasattr(first, "to_local"):
-        # set by fully_shard on every module it manages
-        _check_detached_bound(module, params)
-        return module(*args, **kwargs)
-    with swapped(module, params):  # == params.to_module(module), fast for plain tensors
-        return module(*args, **kwargs)
-
-
-def _storage(t: torch.Tensor) -> tuple[int, int]:
-    loc = tree.local(t)
-    return loc.untyped_storage().data_ptr(), int(loc.storage_offset())
-
-
-def _check_detached_bound(module: nn.Module, params: TensorDictBase) -> None:
-    """DTensor params of an FSDP module must be detached views of its own, used without grad."""
-    if torch.is_grad_enabled():
-        raise ValueError(
-            f"call: {type(module).__name__} got DTensor params that are not its bound "
-            "parameters; an FSDP-sharded module always runs with its own parameters. To stop "
-            "gradients into them, call it under torch.no_grad() (detached views are fine there)"
-        )
-    for path, leaf in zip(tree.paths(params), tree.leaves(params), strict=True):
-        name = ".".join(path)
-        try:
-            own = module.get_parameter(name)
-        except AttributeError:
-            raise ValueError(f"call: {type(module).__name__} has no parameter {name!r}") from None
-        # between iterations FSDP registers the sharded params; if it keeps unsharded ones
-        # (reshard_after_forward=False), the check cannot see the shard and is skipped
-        if hasattr(own, "to_local") and _storage(own) != _storage(leaf):
-            raise ValueError(
-                f"call: param {name!r} is a DTensor that does not share memory with "
-                f"{type(module).__name__}'s own (FSDP-sharded) parameter; an FSDP module "
-                "always runs with its own parameters: copy other weights (e.g. an EMA) into "
-                "them first"
-            )
-
-
-def _with_roles(params: TensorDictBase, new: Mapping[str, TensorDict]) -> TensorDictBase:
-    """``params.copy()`` with the roles in ``new`` replaced (what the loss function sees).
-
-    The top level is built directly for a plain TensorDict (no batch dims, no
-    device): copying the replaced roles' subtrees first would cost ~1 µs per leaf.
-    """
-    if (
-        type(params) is not TensorDict
-        or params.device is not None
-        or params.batch_dims
-        or any(type(v) is not TensorDict for v in params._tensordict.values())
-    ):
-        out = params.copy()
-        for role, td in new.items():
-            out.set(role, td)
-        return out
-    src = {k: new[k] if k in new else v.copy() for k, v in params._tensordict.items()}
-    return tree.plain_td(src, params.batch_size)
 
 
 def _as_metrics(metrics: Mapping[str, Any] | TensorDictBase | None) -> TensorDict:
@@ -280,7 +71,7 @@ def _as_metrics(metrics: Mapping[str, Any] | TensorDictBase | None) -> TensorDic
         return tree.plain_td({})
     if isinstance(metrics, TensorDictBase):
         td = metrics
-    else:
+    elif isinstance(metrics, Mapping):
         td = TensorDict(
             {
                 k: (
@@ -290,7 +81,22 @@ def _as_metrics(metrics: Mapping[str, Any] | TensorDictBase | None) -> TensorDic
             },
             batch_size=[],
         )
+    else:
+        raise TypeError(
+            f"loss_fn returned metrics of type {type(metrics).__name__}; expected a mapping "
+            "or TensorDict of scalars, or None"
+        )
     return td.detach()  # type: ignore[no-any-return]
+
+
+def _unpack(out: Any) -> tuple[Any, Any]:
+    if not isinstance(out, tuple) or len(out) != 2:
+        got = f"a tuple of {len(out)}" if isinstance(out, tuple) else f"a {type(out).__name__}"
+        raise TypeError(
+            f"loss_fn must return (loss, metrics), got {got}; return `loss, {{}}` when there "
+            "are no metrics"
+        )
+    return out
 
 
 def _role_losses(
@@ -322,85 +128,170 @@ def _loss_metrics(loss: torch.Tensor | Mapping[str, torch.Tensor], metrics: Tens
                 metrics.set((role, "loss"), value.detach().reshape(()))
 
 
-def _functional_grads(
-    losses: dict[str, torch.Tensor],
-    leaves: dict[str, list[torch.Tensor]],
-    sink: GradSink | None = None,
-) -> dict[str, list[torch.Tensor]]:
-    if sink is not None and sink.accepts(losses):
-        return sink.backward(losses, leaves)  # accumulate(): fold grads in as they come
-    out: dict[str, list[torch.Tensor]] = {}
-    distinct = {id(v) for v in losses.values()}
-    if len(distinct) == 1 and len(losses) > 0:
-        # one scalar loss for every live role: a single backward pass.
-        roles = list(losses)
-        flat = [t for r in roles for t in leaves[r]]
-        grads = torch.autograd.grad(
-            next(iter(losses.values())), flat, allow_unused=True, materialize_grads=True
-        )
-        i = 0
-        for r in roles:
-            out[r] = list(grads[i : i + len(leaves[r])])
-            i += len(leaves[r])
-        return out
-    items = list(losses.items())
-    for j, (role, loss) in enumerate(items):
-        out[role] = list(
-            torch.autograd.grad(
-                loss,
-                leaves[role],
-                retain_graph=j < len(items) - 1,
-                allow_unused=True,
-                materialize_grads=True,
-            )
-        )
-    return out
-
-
-def _bound_grads(
-    losses: dict[str, torch.Tensor],
-    leaves: dict[str, list[torch.Tensor]],
-    idle: list[torch.Tensor],
-) -> dict[str, list[torch.Tensor]]:
-    """``backward()`` of the bound roles' losses; harvest ``.grad`` on the last microbatch.
-
-    ``idle`` are the params of bound roles that get no grads from this call (not
-    live, or no loss of their own): the hooks see them too (so their modules'
-    sync settings follow the microbatch) and any ``.grad`` that ``backward()``
-    left on them is dropped, so it cannot leak into a later step.
-    """
-    mb = current_microbatch()
-    for role in losses:
-        for hook in _BOUND_HOOKS:
-            hook(leaves[role], mb)
-    if idle:
-        for hook in _BOUND_HOOKS:
-            hook(idle, mb)
-    distinct: dict[int, torch.Tensor] = {id(v): v for v in losses.values()}
-    scaled = [v * mb.weight if mb.weight != 1.0 else v for v in distinct.values()]
-    torch.autograd.backward(scaled)
-    out: dict[str, list[torch.Tensor]] = {}
-    if not mb.is_last:
-        return out
-    for role in losses:
-        grads = []
-        for p in leaves[role]:
-            g = p.grad
-            grads.append(torch.zeros_like(p) if g is None else g)
-            p.grad = None
-        out[role] = grads
-    for p in idle:
-        p.grad = None
-    return out
-
-
 def _grad_leaf(t: torch.Tensor) -> torch.Tensor:
     return t.detach().requires_grad_(True)
 
 
-def _make_grad_leaves(params: TensorDictBase) -> tuple[TensorDict, list[torch.Tensor]]:
-    """Fresh requires-grad leaves for ``params`` (sharing memory) and the tree holding them."""
-    return tree.map_with_leaves(params, _grad_leaf)
+def _copy_leaf(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().clone().requires_grad_(True)
+
+
+def _make_leaves(
+    params: TensorDictBase, copies: frozenset[int] | None
+) -> tuple[TensorDict, list[torch.Tensor]]:
+    """Requires-grad leaves for ``params``: views sharing memory, copies at ``copies`` (all: None)."""
+    if copies is None:
+        return tree.map_with_leaves(params, _copy_leaf)
+    if not copies:
+        return tree.map_with_leaves(params, _grad_leaf)
+    src = tree.leaves(params)
+    new = [_copy_leaf(t) if i in copies else _grad_leaf(t) for i, t in enumerate(src)]
+    return tree.rebuild(params, new), new
+
+
+def _loss_view(
+    params: TensorDictBase,
+    tracked: Mapping[str, TensorDict],
+    buffers: TensorDictBase | None,
+    bound: Mapping[str, bool],
+) -> TensorDictBase:
+    """What the loss sees: live roles' tracked leaves, the others as given, plus buffers."""
+    with_buffers = (
+        [r for r in buffers.keys() if r in params.keys() and not bound.get(r, False)]
+        if buffers is not None
+        else []
+    )
+    simple = (
+        type(params) is TensorDict
+        and params.device is None
+        and not params.batch_dims
+        and all(type(v) is TensorDict for v in params._tensordict.values())
+    )
+    if not simple:
+        out = params.copy()
+        for role, td in tracked.items():
+            out.set(role, td)
+    else:
+        out = tree.plain_td(
+            {k: tracked[k] if k in tracked else v.copy() for k, v in params._tensordict.items()},
+            params.batch_size,
+        )
+    if with_buffers:
+        assert buffers is not None
+        for role in with_buffers:
+            # keep_a: a param the forward writes in place is in ``buffers`` too (its new value)
+            merged = tree.merge(
+                out.get(role), buffers.get(role), what=f"role {role!r}", keep_a=True
+            )
+            out.set(role, merged)
+    return out
+
+
+def _collect_buffers(view: TensorDictBase, buffers: TensorDictBase, params: TensorDictBase) -> None:
+    """Copy into ``buffers`` every buffer tensor the forward replaced in ``view``."""
+    for role in buffers.keys():
+        if role not in view.keys():
+            continue
+        merged = view.get(role)
+        role_bufs = buffers.get(role)
+        bufs = tree.paths(role_bufs)
+        if role in params.keys() and len(bufs) > 0:
+            own = set(tree.paths(params.get(role)))
+            skip = [p in own for p in bufs]  # written params: their value is set after
+        else:
+            skip = [False] * len(bufs)
+        for path, leaf, param in zip(bufs, tree.leaves(role_bufs), skip, strict=True):
+            current = None if param else merged.get(path)
+            if current is not None and current is not leaf:
+                buffers.set((role, *path), current)
+
+
+def _walk_graph(roots: Sequence[torch.Tensor]) -> Any:
+    seen: set[int] = set()
+    stack = [r.grad_fn for r in roots if r.grad_fn is not None]
+    while stack:
+        fn = stack.pop()
+        if fn is None or id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        yield fn
+        stack.extend(f for f, _ in fn.next_functions if f is not None)
+
+
+def _has_reentrant_checkpoint(losses: Sequence[torch.Tensor]) -> bool:
+    return any(type(fn).__name__ == "CheckpointFunctionBackward" for fn in _walk_graph(losses))
+
+
+def _foreign_leaves(losses: Sequence[torch.Tensor], ours: set[int]) -> list[torch.Tensor]:
+    out = []
+    for fn in _walk_graph(losses):
+        var = getattr(fn, "variable", None)
+        if isinstance(var, torch.Tensor) and id(var) not in ours:
+            out.append(var)
+    return out
+
+
+def _stash(ts: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
+    return [None if t.grad is None else t.grad.clone() for t in ts]
+
+
+def _unstash(ts: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> None:
+    for t, g in zip(ts, grads, strict=True):
+        t.grad = g
+
+
+def _backward(
+    losses: dict[str, torch.Tensor],
+    leaves: dict[str, list[torch.Tensor]],
+    weight: float,
+    reentrant: bool,
+) -> None:
+    """Backward of each role's loss into its leaves' ``.grad`` (``weight`` times)."""
+    for role, loss in losses.items():
+        if not loss.requires_grad:
+            raise ValueError(
+                f"the loss of role {role!r} does not depend on any tensor that requires grad: "
+                f"run its modules with params[{role!r}] through purestep.call"
+            )
+
+    def scaled(loss: torch.Tensor) -> torch.Tensor:
+        return loss * weight if weight != 1.0 else loss
+
+    single = len({id(v) for v in losses.values()}) == 1
+    items = list(losses.items())
+    if not reentrant:
+        if single:
+            flat = [t for r in losses for t in leaves[r]]
+            torch.autograd.backward(scaled(items[0][1]), inputs=flat)
+            return
+        for j, (role, loss) in enumerate(items):
+            torch.autograd.backward(
+                scaled(loss), inputs=leaves[role], retain_graph=j < len(items) - 1
+            )
+        return
+    # use_reentrant=True checkpoints refuse inputs=: plain backward, then undo what it
+    # did to every other leaf (other roles' leaves, tensors outside the params).
+    ours = {id(t) for r in losses for t in leaves[r]}
+    foreign = _foreign_leaves([v for _, v in items], ours)
+    saved = _stash(foreign)
+    try:
+        if single:
+            torch.autograd.backward(scaled(items[0][1]))
+            return
+        for j, (role, loss) in enumerate(items):
+            others = [t for r, _ in items if r != role for t in leaves[r]]
+            kept = _stash(others)
+            torch.autograd.backward(scaled(loss), retain_graph=j < len(items) - 1)
+            _unstash(others, kept)
+    finally:
+        _unstash(foreign, saved)
+
+
+class _Writes:
+    """Which params a role's forward writes in place (learned on the first pure call)."""
+
+    def __init__(self) -> None:
+        self.learned: dict[str, frozenset[int]] = {}
 
 
 def value_and_grad(loss_fn: LossFn) -> GradFn:
@@ -411,19 +302,33 @@ def value_and_grad(loss_fn: LossFn) -> GradFn:
     the mapping gets no gradient and is not updated). ``metrics`` is a mapping or
     TensorDict of scalars, or None.
 
-    The returned ``grad_fn(params, batch, key, *, roles=None)`` computes grads for
-    ``roles`` (default: every role in ``params``). Other roles are passed to
-    ``loss_fn`` detached, so no graph is built through them. Returns
-    ``(grads, metrics)``: grads is a TensorDict ``{role: tree}`` shaped like
-    ``params[role]``; metrics a TensorDict of detached scalars on device, with
-    the loss under ``"loss"`` (or ``(role, "loss")`` for per-role losses).
+    The returned ``grad_fn(params, batch, key, *, roles=None, buffers=None,
+    donate=False)`` computes grads for ``roles`` (default: every role in
+    ``params``). Other roles are passed to ``loss_fn`` as given (no graph is
+    built through them). Returns ``(grads, metrics)``: grads is a TensorDict
+    ``{role: tree}`` holding a gradient for every param that received one, in
+    the param's memory layout (a param that no gradient reaches is left out,
+    and the optimizers skip it, as ``torch.optim`` skips a ``.grad`` of None);
+    metrics a TensorDict of detached scalars on device, with the loss under
+    ``"loss"`` (or ``(role, "loss")`` for per-role losses).
+
+    Buffers: with ``buffers={role: tree}`` (as :func:`purestep.train_step`
+    passes the state's), ``loss_fn`` sees ``params[role]`` with the role's
+    buffers merged in, so :func:`purestep.call` swaps both; updates the
+    forward makes (BatchNorm statistics) land in ``buffers``, which the caller
+    owns, never in the module or in ``params``.
+
+    Purity: with ``donate=False`` the forward never writes into ``params``. A
+    parameter the module writes in place (``nn.Embedding(max_norm=...)``) is
+    found on the first call (which runs on copies) and from then on computed on
+    a copy, whose new value is put into ``buffers`` under the parameter's path
+    (:func:`purestep.train_step` hands it to the optimizer, as the imperative
+    loop's in-place write would). A write into another parameter later raises.
 
     Bound roles (:func:`purestep.distributed.fsdp.bind`) run the module with its
     own params, so they are never detached: grads come from one ``backward()``
     of all bound roles' losses, and a bound role's grads are those of the *sum*
-    of the losses that reach its params. With ``{role: loss}`` over several
-    bound roles, detach across roles (as DMD2's losses do). Grads that reach a
-    bound role with no loss of its own on this call are dropped.
+    of the losses that reach its params.
 
     Example:
         >>> import torch
@@ -437,6 +342,8 @@ def value_and_grad(loss_fn: LossFn) -> GradFn:
         >>> grads["m", "w"]
         tensor([1., 2.])
     """
+    writes = _Writes()
+    reentrant: list[bool | None] = [None]
 
     def grad_fn(
         params: TensorDictBase,
@@ -444,51 +351,132 @@ def value_and_grad(loss_fn: LossFn) -> GradFn:
         key: torch.Tensor,
         *,
         roles: Sequence[str] | None = None,
+        buffers: TensorDictBase | None = None,
+        donate: bool = False,
     ) -> tuple[TensorDict, TensorDict]:
         all_roles = list(params.keys())
         live = all_roles if roles is None else list(roles)
         unknown = [r for r in live if r not in all_roles]
         if unknown:
             raise KeyError(f"roles {unknown} have no params (roles with params: {all_roles})")
-        sink = take_sink()  # before loss_fn, so that nested grad_fn calls do not take it
+        sink: GradSink | None = take_sink()  # before loss_fn: nested grad_fns do not take it
+        weight = sink.weight if sink is not None else 1.0
         leaves: dict[str, list[torch.Tensor]] = {}
         bound: dict[str, bool] = {}
         tracked: dict[str, TensorDict] = {}
-        for role in live:
+        guard: dict[str, tuple[list[torch.Tensor], list[int], list[int]]] = {}
+        copy_versions: dict[str, list[tuple[int, int]]] = {}
+        for role in all_roles:
             role_params = params.get(role)
             bound[role] = is_bound(role_params)
             if bound[role]:
-                leaves[role] = tree.leaves(role_params)
+                if role in live:
+                    leaves[role] = tree.leaves(role_params)
+                continue
+            if role not in live:
+                if not donate:  # a non-live role's params are the caller's: watch them too
+                    src = tree.leaves(role_params)
+                    guard[role] = (src, list(range(len(src))), [t._version for t in src])
+                continue
+            copies: frozenset[int] | None = frozenset()
+            if not donate:
+                copies = writes.learned.get(role)  # None: not learned yet, copy everything
+            if sink is not None:
+                tracked[role], leaves[role] = sink.leaves_for(role, role_params, _make_with(copies))
+                copies = sink.copies.setdefault(role, copies)  # those of the reused leaves
             else:
-                tracked[role], leaves[role] = (
-                    sink.leaves_for(role, role_params, _make_grad_leaves)
-                    if sink is not None
-                    else _make_grad_leaves(role_params)
-                )
-        call_params = _with_roles(params, tracked)
-        token = _LIVE.set(frozenset(live))
-        try:
-            with torch.enable_grad():
-                loss, raw_metrics = loss_fn(call_params, batch, key)
-                losses = _role_losses(loss, live)
-                func = {r: v for r, v in losses.items() if not bound[r]}
-                bnd = {r: v for r, v in losses.items() if bound[r]}
-                grad_lists = _functional_grads(func, leaves, sink) if func else {}
+                tracked[role], leaves[role] = _make_leaves(role_params, copies)
+            if not donate:
+                src = tree.leaves(role_params)
+                n = len(src)
+                copied = list(range(n)) if copies is None else sorted(copies)
+                shared = [] if copies is None else [i for i in range(n) if i not in copies]
+                guard[role] = (src, shared, [src[i]._version for i in shared])
+                copy_versions[role] = [(i, leaves[role][i]._version) for i in copied]
+        view = _loss_view(params, tracked, buffers, bound)
+        with live_scope(frozenset(live)), torch.enable_grad(), call_scope() as scope:
+            loss, raw_metrics = _unpack(loss_fn(view, batch, key))
+            losses = _role_losses(loss, live)
+            func = {r: v for r, v in losses.items() if not bound[r]}
+            bnd = {r: v for r, v in losses.items() if bound[r]}
+            with scope.recompute_guard():
+                if func:
+                    if reentrant[0] is None:
+                        reentrant[0] = _has_reentrant_checkpoint(list(func.values()))
+                    _backward(func, leaves, weight, bool(reentrant[0]))
+                grad_lists: dict[str, list[torch.Tensor | None]] = {
+                    r: [t.grad for t in leaves[r]] for r in func
+                }
                 if bnd:
                     idle = [
                         t
                         for r in all_roles
-                        if r not in bnd and (bound[r] if r in bound else is_bound(params.get(r)))
+                        if r not in bnd and bound[r]
                         for t in tree.leaves(params.get(r))
                     ]
-                    grad_lists.update(_bound_grads(bnd, leaves, idle))
-        finally:
-            _LIVE.reset(token)
+                    grad_lists.update(bound_grads(bnd, leaves, idle))
+        if sink is not None:
+            sink.served.update(func)
+        if buffers is not None:
+            _collect_buffers(view, buffers, params)
+        if not donate:
+            _check_writes(params, guard, copy_versions, leaves, tracked, writes, buffers)
         metrics = _as_metrics(raw_metrics)
         _loss_metrics(loss, metrics)
         grads = tree.plain_td(
-            {r: tree.rebuild(params.get(r), grad_lists[r]) for r in live if r in grad_lists}
+            {r: tree.select(params.get(r), grad_lists[r]) for r in live if r in grad_lists}
         )
         return grads, metrics
 
     return grad_fn
+
+
+def _make_with(
+    copies: frozenset[int] | None,
+) -> Callable[[TensorDictBase], tuple[TensorDict, list[torch.Tensor]]]:
+    def make(p: TensorDictBase) -> tuple[TensorDict, list[torch.Tensor]]:
+        return _make_leaves(p, copies)
+
+    return make
+
+
+def _check_writes(
+    params: TensorDictBase,
+    guard: dict[str, tuple[list[torch.Tensor], list[int], list[int]]],
+    copy_versions: dict[str, list[tuple[int, int]]],
+    leaves: dict[str, list[torch.Tensor]],
+    tracked: Mapping[str, TensorDict],
+    writes: _Writes,
+    buffers: TensorDictBase | None,
+) -> None:
+    """Pure call: learn which params the forward writes, hand their new values over, or raise."""
+    for role, (src, idx, before) in guard.items():
+        changed = [i for i, v in zip(idx, before, strict=True) if src[i]._version != v]
+        if changed:
+            names = ", ".join(
+                repr(tree.format_path((role, *tree.paths(params.get(role))[i]))) for i in changed
+            )
+            raise RuntimeError(
+                f"the forward wrote in place into {names} of the input state although the "
+                "step does not donate it (donate=False), so the input has been modified. "
+                "The module writes into its weights only on some calls; build the step with "
+                "donate=True, or keep such writes out of the forward"
+            )
+    for role, versions in copy_versions.items():
+        written = [i for i, v in versions if leaves[role][i]._version != v]
+        if role not in writes.learned:
+            writes.learned[role] = frozenset(written)
+        if not written:
+            continue
+        if buffers is None:
+            names = ", ".join(
+                repr(tree.format_path((role, *tree.paths(tracked[role])[i]))) for i in written
+            )
+            raise RuntimeError(
+                f"the forward writes in place into {names} (e.g. nn.Embedding(max_norm=...)); "
+                "pass buffers= (a TensorDict that receives the new values) to grad_fn, or use "
+                "purestep.train_step, which hands them to the optimizer"
+            )
+        role_paths = tree.paths(tracked[role])
+        for i in written:
+            buffers.set((role, *role_paths[i]), leaves[role][i].detach())

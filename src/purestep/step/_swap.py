@@ -1,159 +1,390 @@
-"""A fast ``with params.to_module(module)`` for the functional call of value_and_grad.
+"""Where a module keeps its tensors, and putting a tree of tensors into those places.
 
-Every leaf of ``params`` that is a plain tensor goes into its module's
-``_parameters`` slot as it is (``del _parameters[name]; _parameters[name] =
-tensor``) and the old parameter goes back the same way on exit. Tensors that
-do not require grad (a frozen teacher's params) stay that way, so no autograd
-graph is built through them; ``to_module`` would wrap them in new
-``nn.Parameter`` objects that *do* require grad. tensordict's generic walk does this at ~3.5 µs per leaf (enter + exit);
-for a 150-tensor model that is ~7% of a small training step. :func:`swapped`
-does the same dictionary operations directly (~0.5 µs per leaf).
+:func:`purestep.call` runs a module with other tensors in place of its own
+parameters and buffers. This module is its engine:
 
-It handles exactly that case and defers everything else to ``to_module``
-(checked before anything is changed): other leaf types (``nn.Parameter``,
-DTensors), buffers, plain attributes, ``None`` parameter slots, extra state,
-shared submodules, modules with their own ``__setattr__``, tensordict modules,
-global parameter-registration hooks, nested TensorDicts of other types, and
-tracing by ``torch.compile``.
+* A **layout** lists every parameter and buffer *slot* of a module tree
+  (``module._parameters[key]`` / ``module._buffers[key]``), under every path
+  that reaches it: a tied parameter (GPT-2's ``lm_head.weight`` is
+  ``transformer.wte.weight``) has several slots holding one object, a shared
+  submodule (ALBERT) one slot reached by several paths. The *canonical* path of
+  an object is the first one ``named_parameters()`` / ``named_buffers()`` give
+  (duplicates removed): the state's key. ``torch.compile`` wrappers
+  (``OptimizedModule``) are transparent: their ``_orig_mod`` adds no path
+  component, so keys are the same with and without compile.
+* A **plan** maps the leaves of a tree (keyed by module path) to *all* the
+  slots of the objects they name, so every aliased slot of a tied parameter
+  receives the same tensor (and autograd sums the gradients of all its uses).
+* :func:`swap` puts the leaves in, :func:`restore` puts the module's own
+  tensors back; a tensor the module *replaced* during the call (a buffer
+  reassigned by ``forward``) is written back into the tree.
+
+Layouts are cached per module and re-validated on every use by comparing the
+identities of every slot's object and every child module (one C-level pass),
+so a module whose parameters are replaced or re-tied after the first call gets
+a new layout rather than a stale one. A thread that swaps into slots another
+thread is using gets a clear error (:class:`ModuleInUseError`) instead of
+silently running with the other thread's tensors.
+
+Example:
+    >>> import torch
+    >>> from torch import nn
+    >>> from tensordict import TensorDict
+    >>> lin = nn.Linear(1, 1)
+    >>> w = TensorDict({"weight": torch.full((1, 1), 2.0), "bias": torch.zeros(1)}, [])
+    >>> p = plan_for(lin, w)
+    >>> held = swap(p, w)
+    >>> lin.weight
+    tensor([[2.]])
+    >>> restore(p, held, w)
+    >>> isinstance(lin.weight, nn.Parameter)
+    True
 """
 
 from __future__ import annotations
 
-import contextlib
+import sys
+import threading
+import weakref
 from collections.abc import Iterator
+from itertools import chain
 from typing import Any
 
 import torch
 from tensordict import TensorDict, TensorDictBase
 from torch import nn
-from torch.nn.modules import module as _torch_module
 
-__all__ = ["swapped"]
+from purestep import tree
 
-_EXTRA_STATE = getattr(_torch_module, "_EXTRA_STATE_KEY_SUFFIX", "_extra_state")
-_BASE_SETATTR = nn.Module.__setattr__
+__all__ = [
+    "Layout",
+    "ModuleInUseError",
+    "Plan",
+    "acquire",
+    "layout_of",
+    "plan_for",
+    "release",
+    "restore",
+    "swap",
+    "unwrap",
+]
 
-# (module, its _parameters dict, key, the params node holding the tensor, the tensor)
-_Entry = tuple[nn.Module, dict[str, Any], str, TensorDict, torch.Tensor]
-
-
-def _registration_hooks() -> dict[Any, Any]:
-    hooks: dict[Any, Any] = getattr(_torch_module, "_global_parameter_registration_hooks", {})
-    return hooks
-
-
-def _plan(params: TensorDict, module: nn.Module, out: list[_Entry], seen: set[int]) -> bool:
-    if (
-        type(module).__setattr__ is not _BASE_SETATTR
-        or isinstance(module, TensorDictBase)
-        or id(module) in seen
-    ):
-        return False
-    seen.add(id(module))
-    d = module.__dict__
-    slots: dict[str, Any] = d["_parameters"]
-    children: dict[str, Any] = d["_modules"]
-    for key, value in params._tensordict.items():
-        if type(value) is torch.Tensor:
-            old = slots.get(key)
-            if key == _EXTRA_STATE or old is None or type(old) not in (nn.Parameter, torch.Tensor):
-                return False
-            out.append((module, slots, key, params, value))
-        elif type(value) is TensorDict:
-            child = children.get(key)
-            if child is None or not _plan(value, child, out, seen):
-                return False
-        else:
-            return False
-    return True
+_ORIG_MOD = "_orig_mod"
+KeyPath = tuple[str, ...]
+_Slot = tuple[dict[str, Any], str]
 
 
-def _put(slots: dict[str, Any], key: str, value: torch.Tensor) -> torch.Tensor:
-    """Replace ``slots[key]`` in place (the dict keeps its order); return the old value."""
-    old: torch.Tensor = slots[key]
-    slots[key] = value
-    return old
+class ModuleInUseError(RuntimeError):
+    """A module's parameters are swapped by a ``call`` in another thread."""
 
 
-@contextlib.contextmanager
-def swapped(module: nn.Module, params: TensorDictBase) -> Iterator[None]:
-    """``with params.to_module(module):``, the same effects, faster where it can be.
+def _is_compile_wrapper(module: nn.Module) -> bool:
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    wrapper = getattr(eval_frame, "OptimizedModule", None)
+    return wrapper is not None and isinstance(module, wrapper)
+
+
+def unwrap(module: nn.Module) -> nn.Module:
+    """The module a ``torch.compile`` wrapper compiles (repeatedly), or ``module`` itself.
+
+    Example:
+        >>> from torch import nn
+        >>> lin = nn.Linear(1, 1)
+        >>> unwrap(lin) is lin
+        True
+    """
+    while _is_compile_wrapper(module):
+        module = module._modules[_ORIG_MOD]  # type: ignore[assignment]
+    return module
+
+
+class Layout:
+    """Every parameter and buffer slot of a module tree (see the module docstring).
+
+    Attributes:
+        slots: ``{path: [(slots dict, key), ...]}`` for every path (aliases
+            included); the list holds every distinct slot of the object at that
+            path, so swapping one path swaps all of its aliases.
+        params: canonical ``(path, parameter)`` pairs in ``named_parameters()``
+            order, duplicates removed (``None`` slots skipped).
+        buffers: canonical ``(path, buffer, persistent)`` triples in
+            ``named_buffers()`` order, duplicates removed.
+        canonical: ``{path: canonical path of the object there}``.
+    """
+
+    __slots__ = ("_dicts", "_ids", "buffers", "canonical", "params", "plans", "slots")
+
+    def __init__(self, root: nn.Module) -> None:
+        self.slots: dict[KeyPath, list[_Slot]] = {}
+        self.params: list[tuple[KeyPath, torch.Tensor]] = []
+        self.buffers: list[tuple[KeyPath, torch.Tensor, bool]] = []
+        self.canonical: dict[KeyPath, KeyPath] = {}
+        self.plans: dict[tuple[KeyPath, ...], Plan] = {}
+        self._dicts: list[dict[str, Any]] = []
+        first_path: dict[int, KeyPath] = {}
+        obj_slots: dict[int, list[_Slot]] = {}
+        path_obj: dict[KeyPath, int] = {}
+        seen_modules: set[int] = set()
+
+        def visit(mod: nn.Module, prefix: KeyPath, stack: tuple[int, ...]) -> None:
+            if id(mod) in stack:  # a module containing itself: nothing new below
+                return
+            d = mod.__dict__
+            first_visit = id(mod) not in seen_modules
+            seen_modules.add(id(mod))
+            params: dict[str, Any] = d["_parameters"]
+            buffers: dict[str, Any] = d["_buffers"]
+            children: dict[str, Any] = d["_modules"]
+            if first_visit:
+                self._dicts.extend((params, buffers, children))
+            non_persistent: set[str] = d.get("_non_persistent_buffers_set", set())
+            for kind, slots in (("param", params), ("buffer", buffers)):
+                for key, obj in slots.items():
+                    path = (*prefix, key)
+                    if obj is None:
+                        self.slots[path] = [(slots, key)]
+                        continue
+                    oid = id(obj)
+                    path_obj[path] = oid
+                    here = obj_slots.setdefault(oid, [])
+                    if not any(s is slots and k == key for s, k in here):
+                        here.append((slots, key))
+                    if oid not in first_path:
+                        first_path[oid] = path
+                        if kind == "param":
+                            self.params.append((path, obj))
+                        else:
+                            self.buffers.append((path, obj, key not in non_persistent))
+            for name, child in children.items():
+                if child is None:
+                    continue
+                transparent = name == _ORIG_MOD and _is_compile_wrapper(mod)
+                visit(child, prefix if transparent else (*prefix, name), (*stack, id(mod)))
+
+        visit(root, (), ())
+        for path, oid in path_obj.items():
+            self.slots[path] = obj_slots[oid]
+            self.canonical[path] = first_path[oid]
+        self._ids = self._snapshot()
+
+    def _snapshot(self) -> tuple[int, ...]:
+        return tuple(map(id, chain.from_iterable(map(dict.values, self._dicts))))
+
+    def is_current(self) -> bool:
+        """Whether every slot and child still holds the object it held when this was built."""
+        return self._snapshot() == self._ids
+
+
+_LAYOUTS: weakref.WeakKeyDictionary[nn.Module, Layout] = weakref.WeakKeyDictionary()
+
+
+def layout_of(module: nn.Module) -> Layout:
+    """The (cached, re-validated) :class:`Layout` of ``module`` (compile wrappers unwrapped).
+
+    Example:
+        >>> from torch import nn
+        >>> net = nn.Sequential(nn.Linear(1, 1))
+        >>> net.add_module("again", net[0])  # a shared submodule
+        >>> [p for p, _ in layout_of(net).params]
+        [('0', 'weight'), ('0', 'bias')]
+    """
+    module = unwrap(module)
+    layout = _LAYOUTS.get(module)
+    if layout is None or not layout.is_current():
+        layout = _LAYOUTS[module] = Layout(module)
+    return layout
+
+
+class Plan:
+    """Which slots each leaf of a tree goes into (all aliases), for one module layout.
+
+    Attributes:
+        entries: ``(slots dict, key, leaf index)`` for every slot to fill.
+        dict_ids: ids of the distinct slot dicts (the unit of thread ownership).
+        paths: the tree's leaf paths (leaf order).
+    """
+
+    __slots__ = ("dict_ids", "entries", "paths")
+
+    def __init__(self, layout: Layout, paths: list[KeyPath], module: nn.Module) -> None:
+        self.paths = paths
+        self.entries: list[tuple[dict[str, Any], str, int]] = []
+        owner: dict[tuple[int, str], int] = {}
+        for i, path in enumerate(paths):
+            slots = layout.slots.get(path)
+            if slots is None:
+                raise KeyError(
+                    f"call: {type(module).__name__} has no parameter or buffer "
+                    f"{tree.format_path(path)!r} (the tree's keys must follow the module's "
+                    "named_parameters()/named_buffers() paths)"
+                )
+            for d, key in slots:
+                if d.get(key) is None:
+                    raise ValueError(
+                        f"call: {type(module).__name__}.{tree.format_path(path)} is None; "
+                        "there is no tensor to replace"
+                    )
+                prev = owner.get((id(d), key))
+                if prev is not None:
+                    raise ValueError(
+                        f"call: {tree.format_path(paths[prev])!r} and {tree.format_path(path)!r} "
+                        f"name the same tied tensor of {type(module).__name__}; give it once "
+                        f"(its canonical key is {tree.format_path(layout.canonical[path])!r})"
+                    )
+                owner[(id(d), key)] = i
+                self.entries.append((d, key, i))
+        self.dict_ids = list({id(d): None for d, _, _ in self.entries})
+
+
+def plan_for(module: nn.Module, td: TensorDictBase) -> Plan:
+    """The cached :class:`Plan` for putting ``td``'s leaves into ``module`` (unwrapped).
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> from tensordict import TensorDict
+        >>> len(plan_for(nn.Linear(1, 1), TensorDict({"bias": torch.zeros(1)}, [])).entries)
+        1
+    """
+    layout = layout_of(module)
+    paths = tree.paths(td)
+    key = tuple(paths)
+    plan = layout.plans.get(key)
+    if plan is None:
+        plan = layout.plans[key] = Plan(layout, paths, unwrap(module))
+    return plan
+
+
+# Thread ownership of slot dicts: id(dict) -> (thread ident, nesting depth).
+_OWNERS: dict[int, tuple[int, int]] = {}
+_OWNERS_LOCK = threading.Lock()
+
+
+def acquire(plan: Plan, module: nn.Module) -> None:
+    """Mark ``plan``'s slots as used by this thread; raise if another thread uses them.
 
     Example:
         >>> import torch
         >>> from torch import nn
         >>> from tensordict import TensorDict
         >>> lin = nn.Linear(1, 1)
-        >>> w = torch.full((1, 1), 2.0, requires_grad=True)
-        >>> b = torch.zeros(1, requires_grad=True)
-        >>> with swapped(lin, TensorDict({"weight": w, "bias": b}, [])):
-        ...     lin.weight is w
-        True
-        >>> isinstance(lin.weight, nn.Parameter)
-        True
+        >>> p = plan_for(lin, TensorDict({"bias": torch.zeros(1)}, []))
+        >>> acquire(p, lin); release(p)
     """
-    plan: list[_Entry] = []
-    if (
-        type(params) is not TensorDict
-        or _registration_hooks()
-        or torch.compiler.is_compiling()
-        or not _plan(params, module, plan, set())
-    ):
-        with params.to_module(module):
-            yield
-        return
-    olds = [_put(slots, key, value) for _, slots, key, _, value in plan]
-    try:
-        yield
-    finally:
-        _restore(plan, olds, params)
+    me = threading.get_ident()
+    with _OWNERS_LOCK:
+        for n, i in enumerate(plan.dict_ids):
+            owner = _OWNERS.get(i)
+            if owner is None:
+                _OWNERS[i] = (me, 1)
+            elif owner[0] == me:
+                _OWNERS[i] = (me, owner[1] + 1)
+            else:
+                _release_ids(plan.dict_ids[:n])
+                raise ModuleInUseError(
+                    f"call: {type(module).__name__} is in use by a call in another thread "
+                    f"(thread {owner[0]}); a module holds one set of tensors at a time, so "
+                    "threads that step through the same module must each use their own copy "
+                    "(copy.deepcopy(module)) or take turns"
+                )
 
 
-def _restore(plan: list[_Entry], olds: list[torch.Tensor], root: TensorDict) -> None:
-    """Put the old parameters back as ``to_module``'s exit does; write back replaced tensors.
+def _release_ids(ids: list[int]) -> None:
+    for i in ids:
+        owner = _OWNERS[i]
+        if owner[1] == 1:
+            del _OWNERS[i]
+        else:
+            _OWNERS[i] = (owner[0], owner[1] - 1)
 
-    Normally each slot still holds the tensor it was given and the old parameter
-    simply goes back. The rest mirrors tensordict for a module that replaced a
-    parameter during the call: the old parameter is re-wrapped when the
-    ``requires_grad`` flags differ, global registration hooks added meanwhile see
-    it, and the replacing tensor is written into ``params``.
+
+def release(plan: Plan) -> None:
+    """Undo one :func:`acquire` of ``plan`` by this thread."""
+    with _OWNERS_LOCK:
+        _release_ids(plan.dict_ids)
+
+
+def swap(plan: Plan, td: TensorDictBase, leaves: list[torch.Tensor] | None = None) -> list[Any]:
+    """Put ``td``'s leaves into their slots; return what the slots held (for :func:`restore`).
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> from tensordict import TensorDict
+        >>> lin = nn.Linear(1, 1)
+        >>> td = TensorDict({"bias": torch.zeros(1)}, [])
+        >>> p = plan_for(lin, td)
+        >>> old = swap(p, td)
+        >>> lin.bias
+        tensor([0.])
+        >>> restore(p, old, td)
     """
-    hooks = tuple(_registration_hooks().values())
-    replaced: list[tuple[TensorDict, str, torch.Tensor]] = []
-    for (module, slots, key, node, value), old in zip(plan, olds, strict=True):
-        current = slots[key]
-        if current is value and not hooks:
-            slots[key] = old  # the usual case: the module kept the tensor it was given
-            continue
-        new = old
-        if (
-            isinstance(old, nn.Parameter)
-            and isinstance(current, torch.Tensor)
-            and old.requires_grad != current.requires_grad
-        ):
-            new = nn.Parameter(old, requires_grad=current.requires_grad)
-        if isinstance(new, nn.Parameter):
-            for hook in hooks:
-                output = hook(module, key, new)
-                if output is not None:
-                    new = output
-        slots[key] = new
-        if current is not value and not _same_view(current, value):
-            replaced.append((node, key, current))
+    values = tree.leaves(td) if leaves is None else leaves
+    olds: list[Any] = []
+    for d, key, i in plan.entries:
+        olds.append(d[key])
+        d[key] = values[i]
+    return olds
+
+
+def restore(
+    plan: Plan,
+    olds: list[Any],
+    td: TensorDictBase,
+    leaves: list[torch.Tensor] | None = None,
+) -> None:
+    """Put ``olds`` back; a tensor the module put in a slot meanwhile is written into ``td``.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> from tensordict import TensorDict
+        >>> bn = nn.BatchNorm1d(1)
+        >>> td = TensorDict({"running_mean": torch.zeros(1)}, [])
+        >>> p = plan_for(bn, td)
+        >>> old = swap(p, td)
+        >>> bn.running_mean = torch.ones(1)  # the module replaces the buffer
+        >>> restore(p, old, td)
+        >>> td["running_mean"], bn.running_mean
+        (tensor([1.]), tensor([0.]))
+    """
+    values = tree.leaves(td) if leaves is None else leaves
+    replaced: dict[int, Any] = {}
+    for (d, key, i), old in zip(plan.entries, olds, strict=True):
+        current = d.get(key)
+        if current is not values[i] and i not in replaced:
+            replaced[i] = current
+        d[key] = old
     if replaced:
-        with root.unlock_():
-            for node, key, current in replaced:
-                node._set_str(key, current, inplace=False, validated=True, non_blocking=False)
+        _write_back(td, plan.paths, replaced)
 
 
-def _same_view(a: Any, b: torch.Tensor) -> bool:
-    """A wrapper of ``b`` (same storage view) that ``to_module`` would not write back."""
-    return (
-        isinstance(a, torch.Tensor)
-        and not (a.requires_grad and b.requires_grad)
-        and torch._C._is_alias_of(a, b)  # type: ignore[attr-defined]
-        and a.shape == b.shape
-        and a.stride() == b.stride()
-        and a.storage_offset() == b.storage_offset()
-        and a.dtype == b.dtype
-    )
+def _write_back(td: TensorDictBase, paths: list[KeyPath], replaced: dict[int, Any]) -> None:
+    for i, current in replaced.items():
+        if not isinstance(current, torch.Tensor):
+            raise TypeError(
+                f"call: the module set {tree.format_path(paths[i])!r} to "
+                f"{type(current).__name__} during the call; expected a tensor"
+            )
+        path = paths[i]
+        value = current.detach() if isinstance(current, nn.Parameter) else current
+        if isinstance(td, TensorDict):
+            with td.unlock_():
+                td.set(path, value, inplace=False)
+        else:
+            td.set(path, value, inplace=False)
+
+
+def module_tensors(module: nn.Module) -> Iterator[tuple[KeyPath, torch.Tensor]]:
+    """Canonical ``(path, tensor)`` of every parameter and buffer (duplicates removed).
+
+    Example:
+        >>> from torch import nn
+        >>> [p for p, _ in module_tensors(nn.BatchNorm1d(1))][:3]
+        [('weight',), ('bias',), ('running_mean',)]
+    """
+    layout = layout_of(module)
+    for path, p in layout.params:
+        yield path, p
+    for path, b, _ in layout.buffers:
+        yield path, b

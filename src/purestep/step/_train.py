@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
@@ -12,7 +13,8 @@ from tensordict import TensorDict, TensorDictBase
 from purestep import rng, tree
 from purestep.optim import Transform, current_lr
 from purestep.step._batch import Batch, prepare_batch
-from purestep.step._grad import GradFn, is_bound, reduce_bound_metrics
+from purestep.step._bound import is_bound, reduce_bound_metrics
+from purestep.step._grad import GradFn
 
 __all__ = ["Step", "TrainStep", "apply_gradients", "train_step"]
 
@@ -153,9 +155,23 @@ class TrainStep:
         key = rng.fold_in(state.get("rng"), state.get("step"))
         roles = self.due_roles(step)
         _check_bound_donation(state, roles, self.donate)
-        grads, metrics = self.grad_fn(state.get("params"), batch, key, roles=roles)
+        params = state.get("params")
+        work = _working_buffers(state)
+        extra: dict[str, Any] = {}
+        if _takes(self.grad_fn, "buffers"):
+            extra["buffers"] = work if work is not None else tree.plain_td({})
+        elif work is not None:
+            raise TypeError(
+                f"train_step: the state has buffers for roles {list(work.keys())}, but grad_fn "
+                "does not accept buffers=; build it with purestep.value_and_grad (and "
+                "accumulate), or give a custom grad_fn the keyword arguments buffers= and donate="
+            )
+        if self.donate and _takes(self.grad_fn, "donate"):
+            extra["donate"] = True
+        grads, metrics = self.grad_fn(params, batch, key, roles=roles, **extra)
         # bound (FSDP) roles: per-rank metrics -> data-parallel mean (one collective)
-        metrics = reduce_bound_metrics(state.get("params"), metrics)
+        metrics = reduce_bound_metrics(params, metrics)
+        new_buffers, written = _split_written(extra.get("buffers"), state)
         updated = [r for r in roles if r in grads.keys()]
         norms = (
             {r: tree.global_norm(tree.leaves(grads.get(r))) for r in updated}
@@ -166,7 +182,11 @@ class TrainStep:
             finite = _all_finite(metrics, norms)
             if not bool(finite):
                 return self._skipped(state, metrics, step)
+        if written:
+            state = _with_written_params(state, written, self.donate)
         out = apply_gradients(state, grads, self.optimizers, roles=updated, donate=self.donate)
+        if new_buffers is not None:
+            out.set("buffers", new_buffers)
         _next_step(state, out, self.donate)
         if self.skip_nonfinite:
             _set_skip(out, state, consecutive=0, total_inc=0, donate=self.donate)
@@ -193,6 +213,96 @@ class TrainStep:
         _set_skip(out, state, consecutive=consecutive, total_inc=1, donate=self.donate)
         metrics.set("skipped", torch.ones((), dtype=torch.bool))
         return out, metrics
+
+
+def _takes(fn: Any, name: str) -> bool:
+    """Whether ``fn`` accepts the keyword argument ``name`` (cached per function object)."""
+    cache = _TAKES.get(id(fn))
+    if cache is None or cache[0] is not fn:
+        try:
+            sig = inspect.signature(fn)
+            names = {
+                p.name
+                for p in sig.parameters.values()
+                if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
+            }
+            var_kw = any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values())
+        except (TypeError, ValueError):
+            names, var_kw = set(), False
+        cache = _TAKES[id(fn)] = (fn, frozenset(names), var_kw)
+    return cache[2] or name in cache[1]
+
+
+_TAKES: dict[int, tuple[Any, frozenset[str], bool]] = {}
+
+
+def _working_buffers(state: TensorDictBase) -> TensorDict | None:
+    """A copy of ``state["buffers"]`` for the forward to update (None without buffers).
+
+    Always a copy, donated or not: a step that is skipped (non-finite) leaves
+    the buffers as they were.
+    """
+    if "buffers" not in state.keys():
+        return None
+    buffers = state.get("buffers")
+    out = {}
+    for role in buffers.keys():
+        role_bufs = buffers.get(role)
+        # a bound role's buffers are the module's own, updated in place by its forward
+        out[role] = role_bufs if is_bound(state.get(("params", role))) else tree.clone(role_bufs)
+    return tree.plain_td(out)
+
+
+def _split_written(
+    work: TensorDictBase | None, state: TensorDictBase
+) -> tuple[TensorDict | None, dict[str, TensorDict]]:
+    """The new buffers, and the params the forward wrote in place, from the working copy."""
+    if work is None:
+        return None, {}
+    has_buffers = "buffers" in state.keys()
+    old = state.get("buffers") if has_buffers else None
+    written: dict[str, TensorDict] = {}
+    out: dict[str, Any] = {}
+    for role in work.keys():
+        role_work = work.get(role)
+        n_buf = len(tree.leaves(old.get(role))) if old is not None and role in old.keys() else 0
+        if len(tree.leaves(role_work)) == n_buf:
+            out[role] = role_work
+            continue
+        buf_paths = set(tree.paths(old.get(role))) if old is not None and n_buf else set()
+        bufs: list[tuple[tree.KeyPath, torch.Tensor]] = []
+        params: list[tuple[tree.KeyPath, torch.Tensor]] = []
+        for path, leaf in zip(tree.paths(role_work), tree.leaves(role_work), strict=True):
+            (bufs if path in buf_paths else params).append((path, leaf))
+        if bufs:
+            out[role] = tree.unflatten(bufs)
+        written[role] = tree.unflatten(params)
+    return (tree.plain_td(out) if has_buffers else None), written
+
+
+def _with_written_params(
+    state: TensorDictBase, written: dict[str, TensorDict], donate: bool
+) -> TensorDictBase:
+    """``state`` whose params hold the values the forward wrote (the imperative loop's weights)."""
+    if donate:
+        for role, td in written.items():
+            for path, leaf in zip(tree.paths(td), tree.leaves(td), strict=True):
+                state.get(("params", role, *path)).copy_(leaf)
+        return state
+    out = state.copy()
+    params = out.get("params").copy()
+    for role, td in written.items():
+        like = params.get(role)
+        new = dict(zip(tree.paths(td), tree.leaves(td), strict=True))
+        params.set(
+            role,
+            tree.rebuild(
+                like,
+                [new.get(p, t) for p, t in zip(tree.paths(like), tree.leaves(like), strict=True)],
+            ),
+        )
+    out.set("params", params)
+    return out
 
 
 def _all_finite(metrics: TensorDictBase, norms: Mapping[str, torch.Tensor]) -> torch.Tensor:

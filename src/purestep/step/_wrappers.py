@@ -28,6 +28,7 @@ class EMAStep:
     decay: float = attrs.field(validator=_check_decay)
     roles: tuple[str, ...]
     start_step: int = 0
+    buffers: bool = False
 
     @property
     def donate(self) -> bool:
@@ -37,15 +38,24 @@ class EMAStep:
     def prepare(self, state: TensorDictBase) -> TensorDict:
         """Add ``state["ema", role]`` (a copy of the role's params) where missing."""
         state = self.inner.prepare(state)
-        missing = [r for r in self.roles if ("ema", r) not in state.keys(include_nested=True)]
+        keys = state.keys(include_nested=True)
+        missing = [r for r in self.roles if ("ema", r) not in keys]
+        missing_buf = [r for r in self.roles if self.buffers and ("ema_buffers", r) not in keys]
         for role in self.roles:
             if role not in state.get("params").keys():
                 raise KeyError(f"with_ema: role {role!r} has no params in state")
-        if not missing:
+            if self.buffers and ("buffers", role) not in keys:
+                raise KeyError(
+                    f"with_ema(buffers=True): role {role!r} has no buffers in state "
+                    "(its module has no persistent buffers)"
+                )
+        if not missing and not missing_buf:
             return state
         out = state.copy()
         for role in missing:
             out.set(("ema", role), tree.clone(state.get(("params", role))))
+        for role in missing_buf:
+            out.set(("ema_buffers", role), tree.clone(state.get(("buffers", role))))
         return out
 
     def __call__(self, state: TensorDictBase, batch: Batch) -> tuple[TensorDict, TensorDict]:
@@ -54,29 +64,52 @@ class EMAStep:
         new_state, metrics = self.inner(state, batch)
         if "skipped" in metrics.keys() and bool(metrics.get("skipped")):
             return new_state, metrics
+        copy = step < self.start_step
         for role in self.roles:
-            p = tree.leaves(new_state.get(("params", role)))
-            ema_td = new_state.get(("ema", role))
-            e = tree.leaves(ema_td)
-            if self.donate:
-                if step < self.start_step:
-                    tree.copy_(e, p)
-                else:
-                    torch._foreach_lerp_(
-                        [tree.local(t) for t in e], [tree.local(t) for t in p], 1.0 - self.decay
-                    )
-            else:
-                new = (
-                    [t.clone() for t in p]
-                    if step < self.start_step
-                    else list(torch._foreach_lerp(e, p, 1.0 - self.decay))
-                )
-                new_state.set(("ema", role), tree.rebuild(ema_td, new))
+            self._average(new_state, ("params", role), ("ema", role), copy)
+            if self.buffers:
+                self._average(new_state, ("buffers", role), ("ema_buffers", role), copy)
         return new_state, metrics
+
+    def _average(
+        self, state: TensorDictBase, src: tuple[str, str], dst: tuple[str, str], copy: bool
+    ) -> None:
+        """``state[dst] = lerp(state[dst], state[src], 1 - decay)`` (a copy before start_step).
+
+        Leaves that are not floating point (``num_batches_tracked``) are copied.
+        """
+        p = tree.leaves(state.get(src))
+        ema_td = state.get(dst)
+        e = tree.leaves(ema_td)
+        avg = [i for i, t in enumerate(p) if t.is_floating_point()] if not copy else []
+        cp = [i for i in range(len(p)) if i not in set(avg)] if len(avg) != len(p) else []
+        if self.donate:
+            if cp:
+                tree.copy_([e[i] for i in cp], [p[i] for i in cp])
+            if avg:
+                torch._foreach_lerp_(
+                    [tree.local(e[i]) for i in avg],
+                    [tree.local(p[i]) for i in avg],
+                    1.0 - self.decay,
+                )
+            return
+        new = list(e)
+        for i in cp:
+            new[i] = p[i].clone()
+        if avg:
+            lerped = torch._foreach_lerp([e[i] for i in avg], [p[i] for i in avg], 1.0 - self.decay)
+            for i, t in zip(avg, lerped, strict=True):
+                new[i] = t
+        state.set(dst, tree.rebuild(ema_td, new))
 
 
 def with_ema(
-    step: TrainStep | EMAStep, decay: float, roles: Sequence[str], *, start_step: int = 0
+    step: TrainStep | EMAStep,
+    decay: float,
+    roles: Sequence[str],
+    *,
+    start_step: int = 0,
+    buffers: bool = False,
 ) -> EMAStep:
     """Keep an exponential moving average of ``roles``' params in ``state["ema", role]``.
 
@@ -86,6 +119,13 @@ def with_ema(
     it starts from the params at ``start_step``. A step skipped by
     :func:`skip_nonfinite` leaves the EMA unchanged. Donation follows the
     wrapped step.
+
+    With ``buffers=True`` the roles' buffers (``state["buffers", role]``, e.g.
+    BatchNorm statistics) are averaged the same way into
+    ``state["ema_buffers", role]`` (integer buffers such as
+    ``num_batches_tracked`` are copied), so ``purestep.variables(state, role,
+    ema=True)`` evaluates the EMA model with EMA statistics. Without it the EMA
+    params are used with the live buffers.
 
     Example:
         >>> import torch
@@ -110,7 +150,9 @@ def with_ema(
             f"with_ema wraps steps built by train_step/with_ema/skip_nonfinite; got "
             f"{type(step).__name__}"
         )
-    return EMAStep(inner=step, decay=float(decay), roles=tuple(roles), start_step=start_step)
+    return EMAStep(
+        inner=step, decay=float(decay), roles=tuple(roles), start_step=start_step, buffers=buffers
+    )
 
 
 def skip_nonfinite(

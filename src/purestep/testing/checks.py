@@ -15,8 +15,9 @@ from typing import Any
 
 import torch
 from tensordict import TensorDict, TensorDictBase
+from torch import nn
 
-from purestep.step import Batch, as_batch
+from purestep.step import Batch, as_batch, module_tensors, recording_modules
 from purestep.testing._compare import assert_trees_close, assert_trees_equal, snapshot
 
 __all__ = [
@@ -59,12 +60,46 @@ def run_steps(
     return state, metrics
 
 
-def assert_pure(step: StepFn, state: TensorDictBase, batch: Batch) -> None:
-    """Assert that ``step(state, batch)`` leaves ``state`` and ``batch`` bitwise unchanged.
+def _module_changes(
+    modules: dict[int, tuple[nn.Module, dict[tuple[str, ...], torch.Tensor]]],
+) -> None:
+    for module, snap in modules.values():
+        now = dict(module_tensors(module))
+        name = type(module).__name__
+        if set(now) != set(snap):
+            added = sorted(".".join(p) for p in set(now) - set(snap))
+            gone = sorted(".".join(p) for p in set(snap) - set(now))
+            raise AssertionError(
+                f"the step changed module {name}'s own parameters/buffers: added {added}, "
+                f"removed {gone}"
+            )
+        for path, before in snap.items():
+            after = now[path]
+            same = (
+                after.shape == before.shape
+                and after.dtype == before.dtype
+                and torch.equal(after.detach().cpu(), before.cpu())
+            )
+            if not same:
+                raise AssertionError(
+                    f"the step changed module {name}'s own tensor {'.'.join(path)!r}; a pure "
+                    "step leaves modules as they are (buffers a forward updates, such as "
+                    "BatchNorm statistics, belong in the state: init_state keeps them in "
+                    "state['buffers', role] and call swaps them in)"
+                )
+
+
+def assert_pure(
+    step: StepFn, state: TensorDictBase, batch: Batch, *, modules: Sequence[nn.Module] = ()
+) -> None:
+    """Assert that ``step(state, batch)`` leaves ``state``, ``batch`` and modules unchanged.
 
     Also checks that the returned state shares no *modified* buffer with the input
-    (the inputs are compared after the step), and that calling it twice gives
-    the same result (so no hidden state was consumed).
+    (the inputs are compared after the step), that calling it twice gives
+    the same result (so no hidden state was consumed), and that every module the
+    step runs through :func:`purestep.call` (and every module in ``modules``,
+    e.g. a frozen teacher called directly) still holds bitwise the same
+    parameters and buffers afterwards.
 
     Example:
         >>> import torch
@@ -77,7 +112,10 @@ def assert_pure(step: StepFn, state: TensorDictBase, batch: Batch) -> None:
     batch_td = as_batch(batch)
     before_batch = snapshot(batch_td)
     batch_keys = list(batch_td.keys())
-    out1, m1 = step(state, batch_td)
+    given = {id(m): (m, {p: t.detach().clone() for p, t in module_tensors(m)}) for m in modules}
+    with recording_modules() as seen:
+        out1, m1 = step(state, batch_td)
+    _module_changes({**seen, **given})
     assert_trees_equal(state, before_state, what="input state after step (step mutated it)")
     assert_trees_equal(batch_td, before_batch, what="input batch after step (step mutated it)")
     if list(batch_td.keys()) != batch_keys:

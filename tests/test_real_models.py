@@ -1,0 +1,591 @@
+"""Module patterns of real models train exactly as the imperative loop trains them.
+
+Each test compares purestep's ``train_step`` (pure and donated) with ``zero_grad /
+forward / backward / torch.optim.AdamW(fused=True).step()`` on the same module,
+init and batches, bitwise (fp32, CPU), or checks the clear error promised where
+a pattern cannot be supported. Real-library models (transformers, diffusers,
+timm, peft) are in tests/integration.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from typing import Any
+
+import pytest
+import torch
+from tensordict import TensorDict, TensorDictBase
+from tests._imperative import assert_same_as_imperative, mse, randn, regression_batches
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import purestep as ps
+from purestep import testing
+
+BATCHES = regression_batches(4, 4, 6, 6)
+
+
+# 1. tied and shared parameters ---------------------------------------------------------
+
+
+class TiedLM(nn.Module):
+    """An embedding and an output head sharing one weight (GPT-2's ``tie_word_embeddings``)."""
+
+    def __init__(self, vocab: int = 11, d: int = 6) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(vocab, d)
+        self.mix = nn.Linear(d, d)
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+        self.lm_head.weight = self.wte.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(torch.tanh(self.mix(self.wte(ids))))  # type: ignore[no-any-return]
+
+
+def _lm_batches() -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(3)
+    return [{"ids": torch.randint(0, 11, (4, 5), generator=g)} for _ in range(4)]
+
+
+def _lm_loss(fwd: Any, b: dict[str, torch.Tensor]) -> torch.Tensor:
+    logits = fwd(b["ids"][:, :-1])
+    return nn.functional.cross_entropy(logits.reshape(-1, 11), b["ids"][:, 1:].reshape(-1))
+
+
+def test_tied_parameter_is_one_state_leaf_under_its_first_name() -> None:
+    """A tied weight appears once in the state, under named_parameters()'s (first) name."""
+    state = ps.init_state({"m": TiedLM()}, {}, seed=0)
+    assert sorted(".".join(p) for p in state["params", "m"].keys(True, True)) == [
+        "mix.bias",
+        "mix.weight",
+        "wte.weight",
+    ]
+
+
+def test_tied_weights_train_as_the_imperative_loop() -> None:
+    """Every aliased slot gets the state's tensor; gradients of both uses sum into one leaf."""
+    torch.manual_seed(0)
+    assert_same_as_imperative(TiedLM, _lm_batches(), _lm_loss)
+    assert_same_as_imperative(TiedLM, _lm_batches(), _lm_loss, k=2)
+
+
+def test_call_fills_every_aliased_slot_and_restores_the_tie() -> None:
+    """Inside call both slots hold the given tensor; afterwards both hold the module's own again."""
+    net = TiedLM()
+    w = torch.zeros_like(net.wte.weight)
+    seen: list[bool] = []
+    handle = net.lm_head.register_forward_pre_hook(
+        lambda m, a: seen.append(m.weight is w and net.wte.weight is w)
+    )
+    ps.call(net, TensorDict({"wte": {"weight": w}}, []), torch.zeros(1, 2, dtype=torch.long))
+    handle.remove()
+    assert seen == [True]
+    assert net.lm_head.weight is net.wte.weight and isinstance(net.wte.weight, nn.Parameter)
+
+
+def test_giving_a_tied_tensor_twice_is_an_error_naming_both_paths() -> None:
+    """Two keys for one tied parameter is ambiguous: the error names both and the canonical key."""
+    net = TiedLM()
+    td = TensorDict(
+        {"wte": {"weight": torch.zeros(11, 6)}, "lm_head": {"weight": torch.ones(11, 6)}}, []
+    )
+    with pytest.raises(
+        ValueError, match=r"'wte\.weight' and 'lm_head\.weight'.*canonical key is 'wte\.weight'"
+    ):
+        ps.call(net, td, torch.zeros(1, 2, dtype=torch.long))
+
+
+def test_a_key_that_is_no_parameter_is_a_key_error() -> None:
+    """call is strict about keys: a typo is named, not silently ignored."""
+    with pytest.raises(KeyError, match=r"has no parameter or buffer 'mix\.wieght'"):
+        ps.call(
+            TiedLM(),
+            TensorDict({"mix": {"wieght": torch.zeros(6, 6)}}, []),
+            torch.zeros(1, 2, dtype=torch.long),
+        )
+
+
+class Albert(nn.Module):
+    """One block applied three times (ALBERT-style parameter sharing across layers)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = nn.Linear(6, 6)
+        self.layers = nn.ModuleList([self.block] * 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+def test_a_submodule_reused_several_times_trains_as_the_imperative_loop() -> None:
+    """A shared submodule is one set of leaves; its gradients sum over the three uses."""
+    torch.manual_seed(1)
+    assert_same_as_imperative(Albert, BATCHES, mse)
+    assert [".".join(p) for p in ps.params_of("m", Albert()).keys(True, True)] == [
+        "block.weight",
+        "block.bias",
+    ]
+
+
+def test_retying_a_module_after_the_first_call_is_seen() -> None:
+    """A module re-tied after a call gets a fresh layout: the new alias is filled too."""
+    net = nn.Sequential(nn.Linear(3, 3, bias=False), nn.Linear(3, 3, bias=False))
+    params = TensorDict({"0": {"weight": torch.eye(3)}}, [])
+    x = torch.ones(1, 3)
+    ps.call(net, params, x)
+    net[1].weight = net[0].weight  # tie now
+    out = ps.call(net, params, x)
+    assert torch.equal(out, x)  # identity twice: both slots hold the given eye(3)
+
+
+# 2. activation checkpointing -----------------------------------------------------------
+
+
+class Checkpointed(nn.Module):
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.a = nn.Linear(6, 6)
+        self.b = nn.Linear(6, 6)
+        self.c = nn.Linear(6, 6)
+        self.reentrant = reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        h = checkpoint(lambda t: torch.tanh(self.b(t)), h, use_reentrant=self.reentrant)
+        return self.c(h)  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+@pytest.mark.parametrize("k", [1, 2])
+def test_activation_checkpointing_recomputes_with_the_swapped_params(
+    reentrant: bool, k: int
+) -> None:
+    """The swap stays in place until the gradients are computed (both checkpoint kinds)."""
+    torch.manual_seed(2)
+    assert_same_as_imperative(lambda: Checkpointed(reentrant), BATCHES, mse, k=k)
+
+
+def test_reentrant_checkpointing_leaves_other_tensors_grads_alone() -> None:
+    """The backward without inputs= (reentrant checkpoints) puts foreign .grad back as it was."""
+    net = Checkpointed(reentrant=True)
+    teacher = nn.Linear(6, 6)  # frozen by omission: requires_grad=True, called directly
+    before = teacher.weight.grad
+
+    def loss_fn(params: TensorDictBase, batch: TensorDictBase, key: torch.Tensor) -> Any:
+        return ((ps.call(net, params["m"], batch["x"]) - teacher(batch["x"])) ** 2).mean(), {}
+
+    grads, _ = ps.value_and_grad(loss_fn)(
+        TensorDict({"m": ps.params_of("m", net)}, []), TensorDict(BATCHES[0], [4]), ps.rng.key(0)
+    )
+    assert teacher.weight.grad is before is None
+    assert len(list(grads["m"].keys(True, True))) == 6
+
+
+def test_recomputing_a_module_called_with_two_param_sets_raises() -> None:
+    """A checkpointed module called twice with different tensors cannot recompute both: error."""
+    net = Checkpointed(reentrant=False)
+
+    def loss_fn(params: TensorDictBase, batch: TensorDictBase, key: torch.Tensor) -> Any:
+        a = ps.call(net, params["m"], batch["x"])
+        b = ps.call(net, params["m"].apply(lambda t: t * 2), batch["x"])
+        return (a * b).mean(), {}
+
+    with pytest.raises(RuntimeError, match="recomputed during backward"):
+        ps.value_and_grad(loss_fn)(
+            TensorDict({"m": ps.params_of("m", net)}, []),
+            TensorDict(BATCHES[0], [4]),
+            ps.rng.key(0),
+        )
+
+
+# 3. gradient layouts -------------------------------------------------------------------
+
+
+class ChannelsLast(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.conv2 = nn.Conv2d(4, 2, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.to(memory_format=torch.channels_last)
+        return self.conv2(torch.tanh(self.conv(x)))  # type: ignore[no-any-return]
+
+
+def test_channels_last_convolutions_train_as_the_imperative_loop() -> None:
+    """Conv grads on channels_last inputs come back channels_last; the optimizer gets the
+    parameter's layout (the fused kernel pairs elements by memory offset)."""
+    torch.manual_seed(3)
+    batches = [
+        {"x": randn(2, 3, 8, 8, seed=i), "y": randn(2, 2, 6, 6, seed=10 + i)} for i in range(3)
+    ]
+    assert_same_as_imperative(ChannelsLast, batches, mse)
+
+
+def test_a_loss_that_reduces_a_parameter_directly_trains_as_the_imperative_loop() -> None:
+    """``loss + 0 * p.sum()`` and ``p.sum()`` give stride-0 gradients; they reach the kernel
+    with the parameter's strides."""
+    torch.manual_seed(4)
+
+    class Direct(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(6, 6)
+            self.scale = nn.Parameter(torch.ones(300, 300))  # large: a wrong pairing shows
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x) + 0.001 * self.scale.sum() + 0 * self.lin.weight.sum()
+
+    assert_same_as_imperative(Direct, BATCHES, mse)
+
+
+# 4. params without a gradient ----------------------------------------------------------
+
+
+class LayerDrop(nn.Module):
+    """Blocks that some steps skip (the batch says which): their params get no gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(6, 6) for _ in range(3))
+
+    def forward(self, x: torch.Tensor, skip: torch.Tensor) -> torch.Tensor:
+        for i, block in enumerate(self.blocks):
+            if not bool(skip[0, i]):
+                x = x + torch.tanh(block(x))
+        return x
+
+
+def _layerdrop_batches() -> list[dict[str, torch.Tensor]]:
+    out = []
+    for i, b in enumerate(regression_batches(6, 4, 6, 6, seed=7)):
+        skip = torch.zeros(4, 3, dtype=torch.bool)
+        skip[:, i % 3] = True
+        if i == 0:
+            skip[:, 2] = True  # block 2 first trains at step 1: its own step count starts late
+        out.append({**b, "skip": skip})
+    return out
+
+
+def _layerdrop_loss(fwd: Any, b: dict[str, torch.Tensor]) -> torch.Tensor:
+    return ((fwd(b["x"], b["skip"]) - b["y"]) ** 2).mean()
+
+
+def test_params_without_gradient_are_skipped_as_torch_optim_skips_them() -> None:
+    """No decay, no moment or step-count change for a param with no gradient (AdamW)."""
+    torch.manual_seed(5)
+    assert_same_as_imperative(LayerDrop, _layerdrop_batches(), _layerdrop_loss)
+
+
+def test_sgd_starts_a_late_params_momentum_buffer_like_torch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """SGD with dampening: a param's first update sets its buffer to ``d`` (torch's
+    ``momentum_buffer is None``), whenever that is. torch's fused SGD cannot run this
+    (it fails on a late param), so the foreach paths are compared, bitwise."""
+    from purestep.optim import _sgd
+
+    monkeypatch.setattr(_sgd, "fused_supported", lambda device, dtype, **kw: False)
+    torch.manual_seed(5)
+    hp = {"lr": 0.1, "momentum": 0.9, "dampening": 0.3, "weight_decay": 0.01}
+    assert_same_as_imperative(
+        LayerDrop,
+        _layerdrop_batches(),
+        _layerdrop_loss,
+        transform=ps.optim.sgd(**hp),
+        optimizer=lambda p: torch.optim.SGD(p, **hp, foreach=True),
+    )
+
+
+def test_a_param_reached_by_one_microbatch_only_accumulates_like_dot_grad() -> None:
+    """With accumulate, a param that only microbatch 2 reaches gets that microbatch's gradient."""
+    torch.manual_seed(6)
+    batches = []
+    for b in regression_batches(3, 4, 6, 6, seed=9):
+        skip = torch.zeros(4, 3, dtype=torch.bool)
+        skip[:2, 1] = True  # block 1 is skipped by the first microbatch only
+        batches.append({**b, "skip": skip})
+    assert_same_as_imperative(LayerDrop, batches, _layerdrop_loss, k=2)
+
+
+def test_a_param_that_never_gets_a_gradient_keeps_its_state_exactly() -> None:
+    """An unused param's value, moments and step count stay bitwise as they were."""
+    net = nn.ModuleDict({"used": nn.Linear(2, 2), "unused": nn.Linear(2, 2)})
+    opt = {"m": ps.optim.adamw(1e-2, weight_decay=0.1)}
+    step = ps.train_step(
+        ps.value_and_grad(lambda p, b, k: (ps.call(net["used"], p["m", "used"], b["x"]).sum(), {})),
+        opt,
+    )
+    state = ps.init_state({"m": net}, opt, seed=0)
+    before = testing.snapshot(state)
+    for _ in range(3):
+        state, _ = step(state, {"x": torch.ones(2, 2)})
+    for key in ("params",), ("opt_state", "mu"), ("opt_state", "nu"), ("opt_state", "steps"):
+        testing.assert_trees_equal(
+            state.get(
+                (*key, "m", "unused") if key == ("params",) else (key[0], "m", key[1], "unused")
+            ),
+            before.get(
+                (*key, "m", "unused") if key == ("params",) else (key[0], "m", key[1], "unused")
+            ),
+        )
+    assert int(state["opt_state", "m", "count"]) == 3
+
+
+# 5. buffers ----------------------------------------------------------------------------
+
+
+def _bn_net() -> nn.Module:
+    return nn.Sequential(nn.Linear(6, 6), nn.BatchNorm1d(6), nn.Tanh(), nn.Linear(6, 6))
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_batchnorm_buffers_are_state_and_train_as_the_imperative_loop(k: int) -> None:
+    """Running statistics (int64 num_batches_tracked too) live in state['buffers'] and evolve
+    exactly as the module's own do in the imperative loop, also microbatch by microbatch."""
+    torch.manual_seed(7)
+    batches = regression_batches(4, 8, 6, 6, seed=11)
+    assert_same_as_imperative(_bn_net, batches, mse, k=k)
+    state = ps.init_state({"m": _bn_net()}, {}, seed=0)
+    assert state["buffers", "m", "1", "num_batches_tracked"].dtype == torch.int64
+
+
+def test_buffer_updates_never_reach_the_module_or_the_input_state() -> None:
+    """The pure step returns new statistics; the module and the input state keep theirs."""
+    net = _bn_net()
+    own = {k: v.clone() for k, v in net.state_dict().items()}
+    opt = {"m": ps.optim.adamw(1e-2)}
+    step = ps.train_step(
+        ps.value_and_grad(lambda p, b, k: (mse(lambda x: ps.call(net, p["m"], x), b), {})), opt
+    )
+    state = ps.init_state({"m": net}, opt, seed=0)
+    testing.assert_pure(step, state, BATCHES[0])
+    new, _ = step(state, regression_batches(1, 8, 6, 6)[0])
+    assert not torch.equal(
+        new["buffers", "m", "1", "running_mean"], state["buffers", "m", "1", "running_mean"]
+    )
+    assert int(new["buffers", "m", "1", "num_batches_tracked"]) == 1
+    for k, v in net.state_dict().items():
+        assert torch.equal(v, own[k]), k
+
+
+def test_assert_pure_fails_when_a_step_changes_a_modules_own_tensors() -> None:
+    """A loss that runs a BatchNorm module directly (its own buffers) is caught by assert_pure."""
+    net, frozen_bn = nn.Linear(6, 6), nn.BatchNorm1d(6)
+    opt = {"m": ps.optim.sgd(0.1)}
+
+    def loss_fn(p: TensorDictBase, b: TensorDictBase, k: torch.Tensor) -> Any:
+        return frozen_bn(ps.call(net, p["m"], b["x"])).pow(2).mean(), {}
+
+    step = ps.train_step(ps.value_and_grad(loss_fn), opt)
+    state = ps.init_state({"m": net}, opt, seed=0)
+    with pytest.raises(AssertionError, match=r"BatchNorm1d's own tensor 'running_mean'"):
+        testing.assert_pure(step, state, BATCHES[0], modules=[frozen_bn])
+
+
+def test_buffers_round_trip_resume_and_ema() -> None:
+    """Resume-exactness covers buffers; with_ema(buffers=True) averages float buffers and copies
+    integer ones; variables() gives the tree to evaluate with."""
+    net = _bn_net()
+    opt = {"m": ps.optim.adamw(1e-2)}
+    gf = ps.value_and_grad(lambda p, b, k: (mse(lambda x: ps.call(net, p["m"], x), b), {}))
+    step = ps.with_ema(ps.train_step(gf, opt), 0.5, ["m"], buffers=True)
+    state = step.prepare(ps.init_state({"m": net}, opt, seed=0))
+    batches = regression_batches(4, 8, 6, 6, seed=3)
+    testing.assert_resume_exact(step, state, batches, save_at=2)
+    new, _ = step(state, batches[0])
+    run_mean = new["buffers", "m", "1", "running_mean"]
+    ema_mean = new["ema_buffers", "m", "1", "running_mean"]
+    torch.testing.assert_close(
+        ema_mean, 0.5 * state["buffers", "m", "1", "running_mean"] + 0.5 * run_mean
+    )
+    assert int(new["ema_buffers", "m", "1", "num_batches_tracked"]) == 1
+    v = ps.variables(new, "m", ema=True)
+    assert v["1", "running_mean"] is ema_mean and v["0", "weight"] is new["ema", "m", "0", "weight"]
+    out = ps.call(net.eval(), ps.variables(new, "m"), torch.ones(2, 6))
+    net.train()
+    expected = copy.deepcopy(net).eval()
+    expected.load_state_dict(
+        {".".join(p): t for p, t in ps.variables(new, "m").items(True, True)}, strict=True
+    )
+    assert torch.equal(out, expected(torch.ones(2, 6)))
+
+
+# 6. compiled modules -------------------------------------------------------------------
+
+
+def test_compiled_modules_have_the_same_keys_and_accept_plain_states() -> None:
+    """init_state/params_of unwrap torch.compile; call(compiled, state of the plain model) runs."""
+    net = nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 1))
+    compiled = torch.compile(net, backend="eager")
+    plain_keys = list(ps.params_of("m", net).keys(True, True))
+    assert list(ps.params_of("m", compiled).keys(True, True)) == plain_keys
+    params = ps.params_of("m", net).apply(torch.zeros_like)
+    out = ps.call(compiled, params, torch.ones(2, 3))
+    assert torch.equal(out, torch.zeros(2, 1))
+    inner = nn.Sequential(net[0], torch.compile(nn.Sequential(net[1], net[2]), backend="eager"))
+    assert [".".join(p) for p in ps.params_of("m", inner).keys(True, True)] == [
+        "0.weight",
+        "0.bias",
+        "1.1.weight",
+        "1.1.bias",
+    ]
+
+
+def test_compiled_module_trains_as_the_compiled_imperative_loop_without_recompiles() -> None:
+    """model.compile(): bitwise equal to the compiled imperative loop, 0 graph breaks, 1 compile."""
+    torch._dynamo.reset()
+    torch.manual_seed(8)
+
+    def make() -> nn.Module:
+        net = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6))
+        net.compile(backend="aot_eager")
+        return net
+
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    assert_same_as_imperative(make, BATCHES, mse, donate=(True,))
+    assert counters["stats"]["unique_graphs"] <= 2  # one for each of the two runs' modules
+    assert not counters["graph_break"]
+
+
+# 7. module randomness (dropout) --------------------------------------------------------
+
+
+class Dropping(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.lin(x))  # type: ignore[no-any-return]
+
+
+def _dropout_step(net: nn.Module, k: int = 1) -> Any:
+    opt = {"m": ps.optim.adamw(1e-2)}
+
+    def loss_fn(p: TensorDictBase, b: TensorDictBase, key: torch.Tensor) -> Any:
+        out = ps.call(net, p["m"], b["x"], key=ps.rng.fold_in(key, 7))
+        return ((out - b["y"]) ** 2).mean(), {}
+
+    gf = ps.value_and_grad(loss_fn)
+    return ps.train_step(ps.accumulate(gf, k) if k > 1 else gf, opt), ps.init_state(
+        {"m": net}, opt, seed=0
+    )
+
+
+def test_dropout_keyed_by_the_step_key_is_deterministic_and_resume_exact() -> None:
+    """call(..., key=) seeds torch's global generator for the call and restores it afterwards."""
+    step, state = _dropout_step(Dropping())
+    g_before = torch.get_rng_state()
+    testing.assert_deterministic(step, state, BATCHES)
+    testing.assert_resume_exact(step, state, BATCHES, save_at=2)
+    assert torch.equal(torch.get_rng_state(), g_before)
+
+
+def test_dropout_masks_differ_between_steps_and_microbatches() -> None:
+    """The key folds in the step (different masks per step) and the microbatch number."""
+    net = Dropping()
+    masks: list[torch.Tensor] = []
+    net.drop.register_forward_hook(lambda m, a, out: masks.append(out == 0))
+    step, state = _dropout_step(net, k=2)
+    batch = regression_batches(1, 8, 6, 6)[0]
+    state, _ = step(state, batch)
+    state, _ = step(state, batch)
+    assert len(masks) == 4
+    assert not torch.equal(masks[0], masks[1]) and not torch.equal(masks[0], masks[2])
+
+
+def test_a_non_key_key_argument_is_refused_with_a_hint() -> None:
+    """key= is purestep's PRNG key; a module argument named key gets a clear error."""
+    with pytest.raises(TypeError, match="pass it positionally"):
+        ps.call(
+            nn.Linear(2, 2), ps.params_of("m", nn.Linear(2, 2)), torch.ones(1, 2), key=torch.ones(3)
+        )
+
+
+# 8. a forward that writes into its weights ---------------------------------------------
+
+
+class Renorm(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 6, max_norm=0.5)  # renormalises looked-up rows in place
+        self.out = nn.Linear(6, 6)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.out(self.emb(ids))  # type: ignore[no-any-return]
+
+
+def _renorm_batches() -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(4)
+    return [
+        {"x": torch.randint(0, 10, (4,), generator=g), "y": randn(4, 6, seed=i)} for i in range(4)
+    ]
+
+
+def test_a_forward_that_renormalises_its_weights_trains_as_the_imperative_loop() -> None:
+    """nn.Embedding(max_norm): the pure step runs it on a copy and hands the renormalised
+    weight to the optimizer, as the imperative loop's in-place write does."""
+    torch.manual_seed(9)
+    assert_same_as_imperative(Renorm, _renorm_batches(), mse)
+    assert_same_as_imperative(Renorm, _renorm_batches(), mse, k=2)
+
+
+def test_a_pure_step_never_writes_into_its_input_whatever_the_module_does() -> None:
+    """assert_pure holds for a module that writes into its weights during forward."""
+    net = Renorm()
+    opt = {"m": ps.optim.adamw(1e-2)}
+    step = ps.train_step(
+        ps.value_and_grad(lambda p, b, k: (mse(lambda x: ps.call(net, p["m"], x), b), {})), opt
+    )
+    state = ps.init_state({"m": net}, opt, seed=0)
+    with torch.no_grad():
+        state["params", "m", "emb", "weight"].mul_(10)  # rows far above max_norm
+    for batch in _renorm_batches():
+        testing.assert_pure(step, state, batch)
+        state, _ = step(state, batch)
+
+
+# 9. threads ----------------------------------------------------------------------------
+
+
+def test_two_threads_stepping_through_one_module_never_mix_silently() -> None:
+    """Each concurrent step either equals its single-threaded result or raises ModuleInUseError."""
+    net = nn.Sequential(*[nn.Linear(16, 16) for _ in range(8)])
+    opt = {"m": ps.optim.adamw(1e-2)}
+
+    def loss_fn(p: TensorDictBase, b: TensorDictBase, k: torch.Tensor) -> Any:
+        return mse(lambda x: ps.call(net, p["m"], x), b), {}
+
+    step = ps.train_step(ps.value_and_grad(loss_fn), opt)
+    states = [ps.init_state({"m": net}, opt, seed=s) for s in range(2)]
+    for i, s in enumerate(states):
+        gen = torch.Generator().manual_seed(i)
+        for t in s["params", "m"].values(True, True):
+            t.add_(torch.randn(t.shape, generator=gen))
+    batch = regression_batches(1, 4, 16, 16)[0]
+    expected = [step(s, batch)[0] for s in states]
+    outcomes: list[str] = []
+
+    def work(i: int) -> None:
+        for _ in range(10):
+            try:
+                got, _ = step(states[i], batch)
+            except ps.step.ModuleInUseError:
+                outcomes.append("refused")
+                continue
+            testing.assert_trees_equal(got["params"], expected[i]["params"])
+            outcomes.append("equal")
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(outcomes) == 20  # every step either equal or refused (an assertion would be lost)
