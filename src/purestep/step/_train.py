@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
@@ -217,8 +219,11 @@ class TrainStep:
 
 def _takes(fn: Any, name: str) -> bool:
     """Whether ``fn`` accepts the keyword argument ``name`` (cached per function object)."""
-    cache = _TAKES.get(id(fn))
-    if cache is None or cache[0] is not fn:
+    try:
+        cache = _TAKES.get(fn)
+    except TypeError:  # not weak-referenceable
+        cache = None
+    if cache is None:
         try:
             sig = inspect.signature(fn)
             names = {
@@ -229,11 +234,13 @@ def _takes(fn: Any, name: str) -> bool:
             var_kw = any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values())
         except (TypeError, ValueError):
             names, var_kw = set(), False
-        cache = _TAKES[id(fn)] = (fn, frozenset(names), var_kw)
-    return cache[2] or name in cache[1]
+        cache = (frozenset(names), var_kw)
+        with contextlib.suppress(TypeError):
+            _TAKES[fn] = cache
+    return cache[1] or name in cache[0]
 
 
-_TAKES: dict[int, tuple[Any, frozenset[str], bool]] = {}
+_TAKES: weakref.WeakKeyDictionary[Any, tuple[frozenset[str], bool]] = weakref.WeakKeyDictionary()
 
 
 def _working_buffers(state: TensorDictBase) -> TensorDict | None:
