@@ -317,7 +317,11 @@ def call(
             generators are forked, seeded from it (and the microbatch number
             inside :func:`purestep.accumulate`) and restored, so module dropout
             is deterministic and resumable. Fold a distinct constant into the
-            key for each call that should draw different noise.
+            key for each call that should draw different noise. Module dropout
+            is *not* invariant to how a batch is cut (``accumulate(k)`` or the
+            world size): torch's generator draws a mask for the whole tensor
+            the module sees, so sample ``i``'s mask depends on the batch's
+            shape and position, unlike ``purestep.rng`` draws with ``index=``.
         **kwargs: keyword arguments of the forward.
 
     Raises:
