@@ -164,6 +164,18 @@ def match_layout(params: list[torch.Tensor], grads: list[torch.Tensor]) -> list[
     return grads if out is None else out
 
 
+def _clone(t: torch.Tensor) -> torch.Tensor:
+    """A copy with ``t``'s strides, also when ``t`` is not dense (``clone`` would compact it).
+
+    The pure path runs the kernel on copies; keeping a sliced param's strides
+    sends the copy down the same (stride-aware) path as the donated param, so
+    the two stay bitwise equal.
+    """
+    if type(t) is not torch.Tensor or is_dense(t):
+        return t.clone()
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).copy_(t)
+
+
 def pick(items: list[torch.Tensor], idx: list[int], total: int) -> list[torch.Tensor]:
     """``[items[i] for i in idx]``, or ``items`` itself when ``idx`` selects all ``total``.
 
@@ -374,9 +386,9 @@ def kernel_transform(
         m = [tree.leaves(state[k]) for k in keys]
         s = tree.leaves(state["steps"]) if steps else None
         if not donate_params:
-            p = [t.clone() for t in p]
+            p = [_clone(t) for t in p]
         if not donate_state:
-            m = [[t.clone() for t in ms] for ms in m]
+            m = [[_clone(t) for t in ms] for ms in m]
         if s is not None and s:
             if donate_state:
                 torch._foreach_add_(s, 1.0)
