@@ -587,7 +587,11 @@ def null_condition(cond: Cond, null: Mapping[str, Any]) -> dict[str, torch.Tenso
             raise KeyError(
                 f"null_condition: no null value for condition {k!r} (have {sorted(null)})"
             )
-        n = torch.as_tensor(null[k], dtype=v.dtype, device=v.device)
+        value = null[k]
+        if isinstance(value, torch.Tensor):
+            n = value.to(dtype=v.dtype, device=v.device)
+        else:  # a fill on the device: a host value copied to a GPU would synchronise it
+            n = torch.full((), value, dtype=v.dtype, device=v.device)
         out[k] = n.expand_as(v).clone() if n.shape != v.shape else n.clone()
     return out
 
