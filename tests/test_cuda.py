@@ -106,9 +106,12 @@ def _draws(k: torch.Tensor, shape: tuple[int, ...], index: torch.Tensor | None, 
     return out
 
 
-@pytest.mark.parametrize("path", ["fused", "eager"])
-@pytest.mark.parametrize("key_on", ["cpu", "cuda"])
-@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize(
+    ("path", "key_on", "shape"),
+    [("fused", "cpu", s) for s in SHAPES]
+    + [("eager", "cpu", s) for s in SHAPES]
+    + [("fused", "cuda", (5, 3001)), ("eager", "cuda", (5, 3001))],
+)
 @pytest.mark.parametrize("with_index", [True, False])
 def test_cuda_draws_equal_cpu_draws(
     request: pytest.FixtureRequest,
@@ -435,7 +438,7 @@ def _torchrun(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
         cwd=cwd,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=120,
         check=False,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
