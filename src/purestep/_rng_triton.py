@@ -193,8 +193,12 @@ def _normal_kernel(  # type: ignore[no-untyped-def]
 
 
 def _block_size(lanes: int) -> int:
-    """Lanes per program: the row's lane count rounded up to a power of 2, in ``[16, 1024]``."""
-    return min(_MAX_BLOCK, max(16, 1 << (max(lanes, 1) - 1).bit_length()))
+    """Lanes per program: 64, 256 or 1024, the smallest that holds a row (1024 for long rows).
+
+    Three sizes bound the kernel variants Triton compiles (each once per process,
+    cached on disk) while short rows (one timestep per sample) waste few lanes.
+    """
+    return next(b for b in (64, 256, _MAX_BLOCK) if lanes <= b or b == _MAX_BLOCK)
 
 
 def _launch(
