@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import math
+import sys
+import types
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -610,3 +613,37 @@ def test_device_draws_equal_fold_in_rows() -> None:
     idx = torch.tensor([3, -7, 2**45])
     rows = _rng_dispatch.rows_of(k, (3, 5), idx, torch.device("cpu"), "normal")
     assert torch.equal(rng._row_keys(rows), rng.fold_in(k, idx))
+
+
+def test_fused_kernels_serve_only_cuda_draws_outside_compile(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The dispatcher offers the fused kernels to CUDA draws only: never on CPU (or meta), never
+    while torch.compile traces (the compiler fuses the eager ops), never with
+    PURESTEP_RNG_TRITON=0 (then triton is not even imported)."""
+    fake = types.ModuleType("kernels")
+    monkeypatch.setattr(_rng_dispatch, "_FUSED", {"module": fake, "tried": True})
+    assert _rng_dispatch.kernels(torch.device("cuda")) is fake
+    assert _rng_dispatch.kernels(torch.device("cpu")) is None
+    assert _rng_dispatch.kernels(torch.device("meta")) is None
+    with monkeypatch.context() as m:
+        m.setattr(torch.compiler, "is_compiling", lambda: True)
+        assert _rng_dispatch.kernels(torch.device("cuda")) is None
+    monkeypatch.setattr(_rng_dispatch, "_FUSED", {"module": None, "tried": False})
+    monkeypatch.setenv("PURESTEP_RNG_TRITON", "0")
+    monkeypatch.setitem(sys.modules, "purestep._rng_triton", None)  # importing it would fail
+    assert _rng_dispatch.kernels(torch.device("cuda")) is None
+    assert _rng_dispatch._FUSED == {"module": None, "tried": True}
+
+
+def test_without_triton_cuda_draws_take_the_eager_path_quietly(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """No triton package (a CPU build of torch): the kernels module fails to import, and the
+    dispatcher falls back to the eager path without a warning."""
+    monkeypatch.setattr(_rng_dispatch, "_FUSED", {"module": None, "tried": False})
+    monkeypatch.delenv("PURESTEP_RNG_TRITON", raising=False)
+    monkeypatch.setitem(sys.modules, "purestep._rng_triton", None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert _rng_dispatch.kernels(torch.device("cuda")) is None

@@ -49,13 +49,10 @@ __all__ = [
     "words",
 ]
 
-INTERPRETED = bool(triton.knobs.runtime.interpret)
-"""Whether the kernels were built for Triton's CPU interpreter (numpy maths)."""
-
-if not INTERPRETED:  # libdevice is compiled in; the interpreter cannot call it
+try:  # CUDA's libm as Triton externs (triton >= 3.0; older releases kept it under cuda/)
     from triton.language.extra import libdevice
-else:  # pragma: no cover - only under TRITON_INTERPRET=1
-    libdevice = None
+except ImportError:  # pragma: no cover - depends on the triton release
+    from triton.language.extra.cuda import libdevice
 
 _G = tl.constexpr(0x9E3779B97F4A7C15)
 _M1 = tl.constexpr(0xBF58476D1CE4E5B9)
@@ -69,7 +66,9 @@ WIDE_AT = 2**31
 """Launches whose programs or offsets reach this use int64 offset arithmetic (else int32)."""
 CPU_KEY_BY_POINTER = False
 """Tests only: under the interpreter (CPU tensors), pass a CPU key by pointer as a device key."""
-_ARGS = ["key", "n", "nb", "pairs", "lo", "span", "thresh"]  # never specialised on their value
+# scalar arguments never specialised on their value (no recompiles for a key of 1 or n of 16)
+_WORDS_ARGS = ["key", "n", "nb", "lo", "span", "thresh"]
+_NORMAL_ARGS = ["key", "n", "nb", "pairs"]
 
 
 # --------------------------------------------------------------------------- device code
@@ -110,7 +109,7 @@ def _block(  # type: ignore[no-untyped-def]
     return row, k, lanes
 
 
-@triton.jit(do_not_specialize=_ARGS)
+@triton.jit(do_not_specialize=_WORDS_ARGS)
 def _words_kernel(  # type: ignore[no-untyped-def]
     out_ptr,
     key,
@@ -148,7 +147,7 @@ def _words_kernel(  # type: ignore[no-untyped-def]
     tl.store(out_ptr + row * n + j, val.to(out_ptr.dtype.element_ty), mask=j < n)
 
 
-@triton.jit(do_not_specialize=_ARGS)
+@triton.jit(do_not_specialize=_NORMAL_ARGS)
 def _normal_kernel(  # type: ignore[no-untyped-def]
     out_ptr,
     key,
@@ -187,6 +186,11 @@ def _normal_kernel(  # type: ignore[no-untyped-def]
     out = out_ptr + row * n + 2 * m
     tl.store(out, z0.to(ty), mask=m < pairs)
     tl.store(out + 1, z1.to(ty), mask=(m < pairs) & (2 * m + 1 < n))
+
+
+INTERPRETED = not isinstance(_mix, triton.runtime.JITFunction)
+"""Whether the kernels run in Triton's CPU interpreter (``TRITON_INTERPRET=1``; numpy maths,
+which has no libdevice: ``normal`` then uses ``tl.log``/``tl.cos``/``tl.sin``)."""
 
 
 # --------------------------------------------------------------------------- host side
