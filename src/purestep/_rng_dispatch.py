@@ -53,7 +53,12 @@ class Rows:
 
 
 def device_of(device: torch.device | str | None, k: torch.Tensor, index: object) -> torch.device:
-    """``device``, else ``index``'s device (noise goes where the batch is), else the key's."""
+    """``device``, else ``index``'s device (noise goes where the batch is), else the key's.
+
+    Example:
+        >>> device_of(None, torch.tensor(1), None)
+        device(type='cpu')
+    """
     if device is not None:
         return torch.device(device)
     return index.device if isinstance(index, torch.Tensor) else k.device
@@ -62,7 +67,13 @@ def device_of(device: torch.device | str | None, k: torch.Tensor, index: object)
 def rows_of(
     k: torch.Tensor, dims: tuple[int, ...], index: object, dev: torch.device, fn: str
 ) -> Rows:
-    """The rows of a draw of shape ``dims``: one row of ``prod(dims)``, or ``dims[0]`` rows."""
+    """The rows of a draw of shape ``dims``: one row of ``prod(dims)``, or ``dims[0]`` rows.
+
+    Example:
+        >>> r = rows_of(torch.tensor(5), (4, 3), torch.arange(4), torch.device("cpu"), "demo")
+        >>> r.n, r.numel
+        (3, 12)
+    """
     if k.device.type != "cpu" and k.device != dev:
         k = k.to(dev)
     if index is None:
@@ -146,7 +157,19 @@ def _verified(rows: Rows, sig: tuple[object, ...], core: Core, kern: ModuleType)
 
 
 def draw(rows: Rows, sig: tuple[object, ...], core: Core) -> torch.Tensor:
-    """``core(rows, kernels)`` with the fused kernels when they serve ``rows.dev``, else eager."""
+    """``core(rows, kernels)`` with the fused kernels when they serve ``rows.dev``, else eager.
+
+    ``sig`` names the kernel family (the draw and its output dtype, not parameter
+    values such as ``p`` or bounds): the one-time check runs per ``sig``, index or
+    not and key placement, so a draw whose parameters change every step is
+    checked once.
+
+    Example:
+        >>> import torch
+        >>> rows = rows_of(torch.tensor(5), (3,), None, torch.device("cpu"), "demo")
+        >>> draw(rows, ("demo",), lambda r, kern: torch.zeros(r.numel)).shape
+        torch.Size([3])
+    """
     kern = kernels(rows.dev)
     if kern is not None:
         try:

@@ -472,7 +472,7 @@ def randint(
         return _top(_words(rows), 63).remainder_(hi - lo).add_(lo).to(dt).view(-1)
 
     rows = rows_of(k, dims, index, device_of(device, k, index), "randint")
-    return draw(rows, ("randint", dt, lo, hi), core).reshape(dims)
+    return draw(rows, ("randint", dt), core).reshape(dims)
 
 
 def _randperm_core(rows: Rows, kern: ModuleType | None) -> torch.Tensor:
@@ -582,4 +582,4 @@ def bernoulli(
         u = _top(_words(rows), 53).to(torch.float64).mul_(2.0**-53)
         return torch.lt(u, pv).to(dt).view(-1)
 
-    return draw(rows, ("bernoulli", dt, pv), core).reshape(dims)
+    return draw(rows, ("bernoulli", dt), core).reshape(dims)
