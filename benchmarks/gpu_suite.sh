@@ -5,6 +5,7 @@
 #   2. pytest -m cuda                          (tests/test_cuda.py: the CUDA test suite)
 #   3. benchmarks/optim.py --device cuda       (fp32, then bf16)
 #   4. benchmarks/step.py --device cuda
+#   5. examples/quickstart.py and examples/toy2d.py --quick on the GPU (smoke runs)
 # Usage: bash benchmarks/gpu_suite.sh [OUT_DIR]    (default: $OUT, else outputs/gpu_suite)
 # Each stage writes its output to OUT_DIR/<stage>.txt; OUT_DIR/summary.txt lists each stage's exit
 # status and time. A failing stage does not stop the later ones; the script exits non-zero if any
@@ -47,10 +48,12 @@ EOF
 } > "$out/environment.txt" 2>&1
 cat "$out/environment.txt" | tee -a "$summary"
 
-stage rng 75 python benchmarks/rng.py --device cuda
-stage cuda_tests 270 python -m pytest -m cuda -q -p no:cacheprovider -ra tests/test_cuda.py
-stage optim_fp32 60 python benchmarks/optim.py --device cuda --dtype fp32
-stage optim_bf16 60 python benchmarks/optim.py --device cuda --dtype bf16
-stage step 100 python benchmarks/step.py --device cuda
+stage rng 60 python benchmarks/rng.py --device cuda
+stage cuda_tests 240 python -m pytest -m cuda -q -p no:cacheprovider -ra tests/test_cuda.py
+stage optim_fp32 50 python benchmarks/optim.py --device cuda --dtype fp32
+stage optim_bf16 50 python benchmarks/optim.py --device cuda --dtype bf16
+stage step 90 python benchmarks/step.py --device cuda
+stage quickstart 40 python examples/quickstart.py --device cuda --steps 300 --out "$out/quickstart"
+stage toy2d_quick 40 python examples/toy2d.py --device cuda --quick --no-progress --out "$out/toy2d"
 echo "tables and logs in $out" | tee -a "$summary"
 exit "$failed"
