@@ -1,10 +1,14 @@
 """AdamW step time and peak extra memory: purestep (donated, pure) vs ``torch.optim.AdamW``.
 
-Run: ``python benchmarks/optim.py [--rounds 7] [--iters 5]``.
+Run: ``python benchmarks/optim.py [--rounds 7] [--iters 5]``; on a GPU
+``python benchmarks/optim.py --device cuda [--dtype bf16]``.
 
 Model: a GPT-like parameter list, ~24.8M fp32 params in 148 tensors of mixed
 sizes (12 blocks of d=384: qkv, out, mlp weights, biases, layer norms; token
-and position embeddings). Grads are fixed random tensors.
+and position embeddings). Grads are fixed random tensors. With ``--device
+cuda`` the default model is GPT-2-medium-sized (d=1024, 24 blocks, vocabulary
+50304: ~355M params in 292 tensors; ``--model small`` keeps the CPU one), in
+``--dtype`` (fp32 or bf16; the moments are in the params' dtype, as torch's).
 
 Variants (same hyperparameters, each with its own params/grads/state):
 
@@ -28,8 +32,12 @@ the least disturbed estimate of a variant's own cost.
 Bandwidth limit: ``a.add_(b)`` on two 256 MB tensors, timed interleaved with
 the variants, gives the achievable memory bandwidth ``BW = 3 * 256 MB / t``. An AdamW step must at
 least read params, grads, exp_avg, exp_avg_sq and write params, exp_avg,
-exp_avg_sq: ``7 * 4 * N`` bytes, so ``t_min = 28 N / BW``; the table's
-"of BW limit" column is ``t_min / t``.
+exp_avg_sq: ``7 * 4 * N`` bytes in fp32 (``7 * 2 * N`` in bf16), so
+``t_min = 28 N / BW``; the table's "of BW limit" column is ``t_min / t``.
+
+On CUDA each call is timed by CUDA events after a synchronize (see
+``benchmarks/_device.py``) and the peak extra memory is the CUDA allocator's
+peak during one step beyond what was allocated before it.
 
 Peak extra memory: one step of each variant runs under
 ``torch.profiler.profile(profile_memory=True)``; every CPU allocator
@@ -53,7 +61,6 @@ import argparse
 import os
 import statistics
 import sys
-import time
 from collections.abc import Callable
 
 _ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 * 1024 * 1024), "MALLOC_TRIM_THRESHOLD_": str(64 << 30)}
@@ -62,6 +69,13 @@ if any(os.environ.get(k) != v for k, v in _ENV.items()):
     os.execv(sys.executable, [sys.executable, *sys.argv])
 
 import torch  # noqa: E402
+from _device import (  # noqa: E402
+    bandwidth_probe,
+    cuda_peak_bytes,
+    device_arg,
+    parse_device,
+    seconds,
+)
 from tensordict import TensorDict  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
@@ -86,10 +100,25 @@ def param_shapes(d: int = 384, layers: int = 12, vocab: int = 8192, ctx: int = 1
     return shapes
 
 
-def make_tree(shapes: dict, gen: torch.Generator, scale: float) -> TensorDict:
+MODELS = {
+    "small": {"d": 384, "layers": 12, "vocab": 8192, "ctx": 1024},
+    "medium": {"d": 1024, "layers": 24, "vocab": 50304, "ctx": 1024},
+}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def make_tree(
+    shapes: dict,
+    gen: torch.Generator,
+    scale: float,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> TensorDict:
     def build(node: dict) -> dict:
         return {
-            k: build(v) if isinstance(v, dict) else torch.randn(v, generator=gen) * scale
+            k: build(v)
+            if isinstance(v, dict)
+            else (torch.randn(v, generator=gen) * scale).to(device=device, dtype=dtype)
             for k, v in node.items()
         }
 
@@ -125,19 +154,10 @@ def torch_variant(params: TensorDict, grads: TensorDict, kind: str) -> Variant:
     return Variant(f"torch AdamW({kind}=True)", opt.step)
 
 
-def bandwidth_probe(gen: torch.Generator) -> tuple[Variant, int]:
-    """An in-place add of two 256 MB tensors (read a, read b, write a), and its byte count."""
-    n = 64 * 1024 * 1024
-    a, b = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
-
-    def run() -> None:
-        a.add_(b)
-
-    return Variant("in-place add", run), 3 * 4 * n
-
-
-def peak_extra_bytes(fn: Callable[[], None]) -> int:
-    """Peak of the running sum of CPU allocations minus frees during ``fn()``."""
+def peak_extra_bytes(fn: Callable[[], None], device: torch.device) -> int:
+    """Peak memory held during ``fn()`` beyond what existed before it (CPU: profiler events)."""
+    if device.type == "cuda":
+        return cuda_peak_bytes(fn, device)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
     events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
@@ -154,15 +174,22 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
+    device_arg(ap)
+    ap.add_argument("--dtype", choices=list(DTYPES), default="fp32")
+    ap.add_argument("--model", choices=list(MODELS), help="default: small on CPU, medium on CUDA")
     args = ap.parse_args()
+    device = parse_device(args.device)
+    dtype = DTYPES[args.dtype]
+    size = args.model or ("medium" if device.type == "cuda" else "small")
 
     gen = torch.Generator().manual_seed(0)
-    shapes = param_shapes()
-    params = make_tree(shapes, gen, 0.02)
-    grads = make_tree(shapes, gen, 1e-3)
+    shapes = param_shapes(**MODELS[size])
+    params = make_tree(shapes, gen, 0.02, device, dtype)
+    grads = make_tree(shapes, gen, 1e-3, device, dtype)
     leaves = list(params.values(True, True))
     n = sum(t.numel() for t in leaves)
-    param_bytes = 4 * n
+    elem = leaves[0].element_size()
+    param_bytes = elem * n
 
     variants = [
         purestep_variant(params, grads, donate=True),
@@ -170,7 +197,8 @@ def main() -> None:
         torch_variant(params, grads, "fused"),
         torch_variant(params, grads, "foreach"),
     ]
-    probe, probe_bytes = bandwidth_probe(gen)
+    probe_fn, probe_bytes = bandwidth_probe(device, gen)
+    probe = Variant("in-place add", probe_fn)
     timed = [*variants, probe]
     for v in timed:
         for _ in range(args.warmup):
@@ -182,13 +210,11 @@ def main() -> None:
         for _ in range(args.iters):
             k = (k + 1) % len(timed)
             for v in timed[k:] + timed[:k]:
-                t0 = time.perf_counter()
-                v.run()
-                v.times[-1].append(time.perf_counter() - t0)
+                v.times[-1].append(seconds(v.run, device))
 
     bw = probe_bytes / statistics.median(probe.round_medians())
-    t_min = 28 * n / bw
-    peaks = {v.name: peak_extra_bytes(v.run) / param_bytes for v in variants}
+    t_min = 7 * elem * n / bw
+    peaks = {v.name: peak_extra_bytes(v.run, device) / param_bytes for v in variants}
     med = {v.name: statistics.median(v.round_medians()) for v in variants}
     by_name = {v.name: v for v in variants}
 
@@ -199,14 +225,19 @@ def main() -> None:
 
     fused_name, foreach_name = "torch AdamW(fused=True)", "torch AdamW(foreach=True)"
 
+    where = (
+        f"{torch.get_num_threads()} threads"
+        if device.type == "cpu"
+        else f"{torch.cuda.get_device_name(device)}, CUDA events"
+    )
     print(
-        f"AdamW step, {n / 1e6:.1f}M fp32 params in {len(leaves)} tensors, "
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
+        f"AdamW step, {n / 1e6:.1f}M {args.dtype} params in {len(leaves)} tensors, "
+        f"torch {torch.__version__}, {device.type}: {where}, "
         f"{args.rounds} rounds x {args.iters} iters (interleaved), medians"
     )
     print(
         f"memory bandwidth (in-place add): {bw / 1e9:.1f} GB/s -> "
-        f"AdamW limit {t_min * 1e3:.1f} ms (28 bytes/param)\n"
+        f"AdamW limit {t_min * 1e3:.1f} ms ({7 * elem} bytes/param)\n"
     )
     fastest = {v.name: min(min(ts) for ts in v.times) for v in variants}
     print(

@@ -7,6 +7,7 @@ Usage::
     python benchmarks/step.py --case small    # one case: large | small | accum
     python benchmarks/step.py --breakdown     # per-part cost of purestep's Python overhead
     python benchmarks/step.py --profile       # cProfile of purestep steps on the small model
+    python benchmarks/step.py --device cuda   # the GPU cases below, timed with CUDA events
 
 Cases (same model, same batch, same initial weights for both variants):
 
@@ -16,6 +17,15 @@ Cases (same model, same batch, same initial weights for both variants):
   150 tensors; batch 64. Compute per step is small, so per-leaf Python
   overhead shows.
 * ``accum``: the ``large`` model, batch 8 x 16, four microbatches of 2.
+
+With ``--device cuda`` the cases are (default: all three):
+
+* ``gpt100m``: the transformer stack at d=768, 14 blocks of 12 heads, ~99M
+  params, batch 16 x 512 tokens, forward and loss under bf16 autocast (fp32
+  weights and fused AdamW).
+* ``gpt100m-accum``: the same with ``accumulate(grad_fn, 4)`` (microbatches of 4).
+* ``small``: the CPU's ``small`` case on the GPU (launch-bound: ~1M params in
+  150 tensors, batch 64).
 
 Variants (same model, same batch, same initial weights), each compared with
 the imperative loop that does the same work:
@@ -46,6 +56,14 @@ makes allocating paths pay page faults unpredictably, so the script re-executes 
 ``MALLOC_MMAP_THRESHOLD_`` and ``MALLOC_TRIM_THRESHOLD_`` fixed when they are
 not set.
 
+On CUDA each step is timed by CUDA events after a ``torch.cuda.synchronize()``
+(wall ms: first kernel start to last kernel end, including GPU time spent
+waiting for launches), and the CPU columns give the host time spent issuing
+the step (Python and kernel launches, synchronisation excluded). Peak memory
+comes from the CUDA allocator in this process (``torch.cuda.max_memory_allocated``
+over build, setup and 3 steps; *step peak* over the steps alone); there is no
+RSS column.
+
 Peak memory. CPU has no allocator statistics like ``torch.cuda.max_memory_allocated``,
 so each (case, variant) runs in a fresh subprocess: ``torch.profiler.profile(
 profile_memory=True)`` records every allocation and free of the c10 CPU
@@ -69,6 +87,7 @@ Example:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import gc
 import json
@@ -83,6 +102,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from _device import device_arg, parse_device
 from tensordict import TensorDict, TensorDictBase
 from torch import nn
 
@@ -148,8 +168,14 @@ CASES: dict[str, dict[str, Any]] = {
     "large": {"model": "transformer", "shape": (4, 16, 64), "k": 1},
     "small": {"model": "deep", "shape": (64, 116), "k": 1},
     "accum": {"model": "transformer", "shape": (8, 16, 64), "k": 4},
+    "gpt100m": {"model": "transformer100m", "shape": (16, 512, 64), "k": 1, "amp": True},
+    "gpt100m-accum": {"model": "transformer100m", "shape": (16, 512, 64), "k": 4, "amp": True},
 }
-TARGETS = {"large": 1.03, "small": 1.10, "accum": 1.03}
+CPU_CASES = ["large", "small", "accum"]
+CUDA_CASES = ["gpt100m", "gpt100m-accum", "small"]
+TARGETS = {"large": 1.03, "small": 1.10, "accum": 1.03, "gpt100m": 1.02, "gpt100m-accum": 1.03}
+CUDA_TARGETS = {**TARGETS, "small": 1.03}
+DEVICE = torch.device("cpu")  # set by main(); every case builds its model and batch there
 MEM_TARGET = 1.05
 
 
@@ -157,15 +183,24 @@ def build(case: str) -> tuple[nn.Module, dict[str, torch.Tensor]]:
     """The case's model and batch, identical on every call (fixed seeds)."""
     spec = CASES[case]
     torch.manual_seed(0)
-    model: nn.Module = Transformer() if spec["model"] == "transformer" else DeepMLP()
+    model: nn.Module = {
+        "transformer": Transformer,
+        "transformer100m": lambda: Transformer(d=768, n=14, heads=12),
+        "deep": DeepMLP,
+    }[spec["model"]]()
     g = torch.Generator().manual_seed(1)
     shape = spec["shape"]
     batch = {"x": torch.randn(shape, generator=g), "y": torch.randn(shape, generator=g)}
-    return model, batch
+    return model.to(DEVICE), {k: v.to(DEVICE) for k, v in batch.items()}
 
 
 def mse(pred: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return ((pred - y) ** 2).mean()
+
+
+def amp(on: bool) -> Any:
+    """bf16 autocast on the case's device for ``amp`` cases, else nothing."""
+    return torch.autocast(DEVICE.type, dtype=torch.bfloat16) if on else contextlib.nullcontext()
 
 
 # ----------------------------------------------------------------------------- variants
@@ -174,7 +209,12 @@ StepFn = Callable[[], None]
 
 
 def torch_variant(
-    model: nn.Module, batch: dict[str, torch.Tensor], k: int, *, grad_norm: bool = False
+    model: nn.Module,
+    batch: dict[str, torch.Tensor],
+    k: int,
+    *,
+    grad_norm: bool = False,
+    autocast: bool = False,
 ) -> StepFn:
     """The imperative loop; ``k`` microbatches accumulate into ``.grad``.
 
@@ -191,13 +231,17 @@ def torch_variant(
     def step() -> None:
         opt.zero_grad(set_to_none=True)
         if k == 1:
-            mse(model(x), y).backward()
+            with amp(autocast):
+                loss = mse(model(x), y).float()
+            loss.backward()
         else:
             start = 0
             for n in sizes:
                 xs, ys = x[start : start + n], y[start : start + n]
                 start += n
-                (mse(model(xs), ys) * (n / b)).backward()
+                with amp(autocast):
+                    loss = mse(model(xs), ys).float()
+                (loss * (n / b)).backward()
         if grad_norm:
             torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
         opt.step()
@@ -213,13 +257,15 @@ def purestep_variant(
     *,
     donate: bool = True,
     grad_norm: bool = True,
+    autocast: bool = False,
 ) -> StepFn:
     """``train_step`` over an explicit state; the module's own weights go to ``meta``."""
 
     def loss_fn(
         params: TensorDictBase, b: TensorDictBase, key: torch.Tensor
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        return mse(purestep.call(model, params["student"], b["x"]), b["y"]), {}
+        with amp(autocast):
+            return mse(purestep.call(model, params["student"], b["x"]), b["y"]).float(), {}
 
     opts = {"student": optim.adamw(lr=LR, weight_decay=WEIGHT_DECAY)}
     grad_fn = purestep.value_and_grad(loss_fn)
@@ -238,10 +284,12 @@ def purestep_variant(
 
 VARIANTS: dict[str, Callable[..., StepFn]] = {
     "torch": torch_variant,
-    "purestep (grad_norm=False)": lambda m, b, k: purestep_variant(m, b, k, grad_norm=False),
-    "torch + grad norm": lambda m, b, k: torch_variant(m, b, k, grad_norm=True),
+    "purestep (grad_norm=False)": lambda m, b, k, **kw: purestep_variant(
+        m, b, k, grad_norm=False, **kw
+    ),
+    "torch + grad norm": lambda m, b, k, **kw: torch_variant(m, b, k, grad_norm=True, **kw),
     "purestep": purestep_variant,
-    "purestep (donate=False)": lambda m, b, k: purestep_variant(m, b, k, donate=False),
+    "purestep (donate=False)": lambda m, b, k, **kw: purestep_variant(m, b, k, donate=False, **kw),
 }
 # Each purestep variant is compared with the imperative loop that does the same work.
 BASELINE = {
@@ -255,7 +303,8 @@ BASELINE = {
 
 def make(case: str, variant: str) -> StepFn:
     model, batch = build(case)
-    return VARIANTS[variant](model, batch, CASES[case]["k"])
+    spec = CASES[case]
+    return VARIANTS[variant](model, batch, spec["k"], autocast=spec.get("amp", False))
 
 
 def check_same_result(case: str) -> float:
@@ -307,11 +356,9 @@ def time_case(
         for i in range(steps):
             order = variants if (r * steps + i) % 2 == 0 else variants[::-1]
             for v in order:
-                w0, c0 = time.perf_counter(), time.process_time()
-                fns[v]()
-                c1, w1 = time.process_time(), time.perf_counter()
-                wall[v].append(w1 - w0)
-                cpu[v].append(c1 - c0)
+                w, c = time_step(fns[v])
+                wall[v].append(w)
+                cpu[v].append(c)
     out: dict[str, Any] = {}
     for v in variants:
         base = BASELINE[v] if BASELINE[v] in wall else variants[0]
@@ -331,7 +378,51 @@ def time_case(
     return out
 
 
+def time_step(fn: StepFn) -> tuple[float, float]:
+    """``(wall, cpu)`` seconds of one step: clocks on CPU; CUDA events and host time on CUDA."""
+    if DEVICE.type != "cuda":
+        w0, c0 = time.perf_counter(), time.process_time()
+        fn()
+        c1, w1 = time.process_time(), time.perf_counter()
+        return w1 - w0, c1 - c0
+    torch.cuda.synchronize(DEVICE)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    c0 = time.process_time()
+    fn()
+    c1 = time.process_time()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3, c1 - c0
+
+
 # ----------------------------------------------------------------------------- memory
+
+
+def cuda_memory(case: str, variant: str, steps: int = 3) -> dict[str, float]:
+    """Peak CUDA memory (MB) of build + setup + steps, and of the steps alone, in this process."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.synchronize(DEVICE)
+    base = torch.cuda.memory_allocated(DEVICE)
+    torch.cuda.reset_peak_memory_stats(DEVICE)
+    fn = make(case, variant)
+    torch.cuda.synchronize(DEVICE)
+    setup_peak = torch.cuda.max_memory_allocated(DEVICE)
+    torch.cuda.reset_peak_memory_stats(DEVICE)
+    for _ in range(steps):
+        fn()
+    torch.cuda.synchronize(DEVICE)
+    step_peak = torch.cuda.max_memory_allocated(DEVICE)
+    end = torch.cuda.memory_allocated(DEVICE)
+    del fn
+    mb = 2**20
+    return {
+        "peak_mb": (max(setup_peak, step_peak) - base) / mb,
+        "step_peak_mb": (step_peak - base) / mb,
+        "end_mb": (end - base) / mb,
+        "rss_mb": float("nan"),
+    }
 
 
 def _status_kb(field: str) -> int:
@@ -557,7 +648,8 @@ def table(results: dict[str, dict[str, Any]], mem: dict[tuple[str, str], dict[st
     for case, res in results.items():
         for v, r in res.items():
             is_base = v.startswith("torch")
-            target = "" if is_base or "donate" in v else f"<= {TARGETS[case]:.2f}"
+            goal = (CUDA_TARGETS if DEVICE.type == "cuda" else TARGETS)[case]
+            target = "" if is_base or "donate" in v else f"<= {goal:.2f}"
             m = mem.get((case, v), {})
             base = mem.get((case, r["vs"]), {}).get("step_peak_mb", nan)
             sp = m.get("step_peak_mb", nan)
@@ -592,7 +684,10 @@ def main() -> None:
     ap.add_argument("--breakdown", action="store_true")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--_memory", nargs=3, help=argparse.SUPPRESS)
+    device_arg(ap)
     args = ap.parse_args()
+    global DEVICE
+    DEVICE = parse_device(args.device)
     _reexec_with_malloc_env()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -600,7 +695,8 @@ def main() -> None:
         case, variant, method = args._memory
         print(json.dumps(memory_child(case, variant, method)))
         return
-    cases = list(CASES) if args.case == "all" else [args.case]
+    every = CUDA_CASES if DEVICE.type == "cuda" else CPU_CASES
+    cases = every if args.case == "all" else [args.case]
     if args.breakdown:
         for case in cases:
             print(
@@ -617,9 +713,13 @@ def main() -> None:
     variants = ["torch", "purestep (grad_norm=False)", "torch + grad norm", "purestep"] + (
         ["purestep (donate=False)"] if args.pure else []
     )
+    where = (
+        f"{torch.get_num_threads()} threads, {os.cpu_count()} CPUs"
+        if DEVICE.type == "cpu"
+        else f"{torch.cuda.get_device_name(DEVICE)}, CUDA events"
+    )
     print(
-        f"torch {torch.__version__}, tensordict, {torch.get_num_threads()} threads, "
-        f"{os.cpu_count()} CPUs, rounds={args.rounds}, steps/round={args.steps}",
+        f"torch {torch.__version__}, {where}, rounds={args.rounds}, steps/round={args.steps}",
         file=sys.stderr,
     )
     results: dict[str, dict[str, Any]] = {}
@@ -641,6 +741,9 @@ def main() -> None:
     if not args.no_memory:
         for case in cases:
             for v in variants:
+                if DEVICE.type == "cuda":
+                    mem[case, v] = cuda_memory(case, v)
+                    continue
                 mem[case, v] = measure_memory(case, v, "profiler")
                 mem[case, v]["rss_mb"] = measure_memory(case, v, "rss")["peak_mb"]
     print(table(results, mem))

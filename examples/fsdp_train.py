@@ -1,6 +1,6 @@
 """Train a small transformer denoiser with FSDP2 (finetune or DMD2), checkpoint, resume.
 
-Run on CPU (gloo) or, unchanged, on GPUs (nccl)::
+Run on CPU (gloo) or, unchanged, on GPUs (nccl; ``--device`` defaults to cuda when available)::
 
     torchrun --nproc-per-node 2 examples/fsdp_train.py --steps 20 --save-every 10
     torchrun --nproc-per-node 2 examples/fsdp_train.py --steps 40 --resume latest
@@ -56,7 +56,8 @@ class SyntheticData:
 
     def __iter__(self) -> Iterator[TensorDictBase]:
         while True:
-            ids = self.position * self.global_batch + torch.arange(self.global_batch)
+            ids = torch.arange(self.global_batch, device=self.device)
+            ids.add_(self.position * self.global_batch)
             x0 = sample_sequences(self.key, ids, self.cfg, device=self.device)
             self.position += 1
             # every rank builds the same global batch; shard_batch assigns the per-step sample
@@ -84,12 +85,18 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--depth", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=int, default=5)
+    p.add_argument(
+        "--device",
+        choices=["cuda", "cpu"],
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="cuda (nccl, one GPU per rank) or cpu (gloo); default: cuda when available",
+    )
     return p.parse_args()
 
 
 def main() -> None:
     args = parse_args()
-    cuda = torch.cuda.is_available()
+    cuda = args.device == "cuda"
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if cuda:
         torch.cuda.set_device(local_rank)

@@ -24,7 +24,8 @@ Writes into ``--out`` (default ``outputs/toy2d``): ``summary.json``,
 ``samples.png`` (data, teacher and students side by side), ``losses.png``,
 ``nft_samples.png`` and the KD trajectory cache ``kd_cache/``.
 
-Run: ``python examples/toy2d.py`` (``--quick`` for a smoke run of a few seconds).
+Run: ``python examples/toy2d.py`` (``--quick`` for a smoke run of a few seconds;
+``--device cuda`` is the default when a GPU is available).
 """
 
 from __future__ import annotations
@@ -137,6 +138,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     ap.add_argument("--skip-nft", action="store_true", help="skip the NFT stage")
     ap.add_argument(
+        "--device",
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="where models and data live (default: cuda when available)",
+    )
+    ap.add_argument(
         "--threads",
         type=int,
         default=1,
@@ -148,22 +154,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     progress = not args.no_progress
+    device = torch.device(args.device)
     root = rng.key(args.seed)
     timer = Timer()
     b = cfg["batch"]
     data_key = rng.fold_in(root, DATA)
 
     def data_batch(i: int) -> TensorDict:
-        return TensorDict({"x0": eight_gaussians(data_key, b, offset=i * b)}, batch_size=[b])
+        x0 = eight_gaussians(data_key, b, offset=i * b, device=device)
+        return TensorDict({"x0": x0}, batch_size=[b])
 
     def model(init: int) -> VelocityMLP:
-        m = VelocityMLP(hidden=cfg["hidden"], depth=cfg["depth"])
+        m = VelocityMLP(hidden=cfg["hidden"], depth=cfg["depth"]).to(device)
         seeded(m, rng.fold_in(root, init))
         return m
 
     n_eval = cfg["n_eval"]
-    heldout = eight_gaussians(rng.fold_in(root, HELDOUT), n_eval)
-    eval_noise = rng.normal(rng.fold_in(root, EVAL_NOISE), (n_eval, 2))
+    heldout = eight_gaussians(rng.fold_in(root, HELDOUT), n_eval, device=device)
+    eval_noise = rng.normal(rng.fold_in(root, EVAL_NOISE), (n_eval, 2), device=device)
     sw_key = rng.fold_in(root, SW_DIRS)
 
     def sw(x: torch.Tensor) -> float:
@@ -171,7 +179,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     curves: dict[str, list[tuple[int, float]]] = {}
     summary: dict[str, Any] = {"config": cfg, "seed": args.seed, "quick": args.quick}
-    summary["sw_data_floor"] = sw(eight_gaussians(rng.fold_in(root, FLOOR), n_eval))
+    summary["sw_data_floor"] = sw(eight_gaussians(rng.fold_in(root, FLOOR), n_eval, device=device))
+    summary["device"] = str(device)
 
     # ---------------------------------------------------------------- 1. teacher
     teacher = model(INIT_TEACHER)
@@ -224,9 +233,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         chunk_size=1024,
         teacher_params=teacher_params,
         progress=on_chunk,
+        device=device,
     )
     bar.close()
-    traj = kd.load_trajectories(cache)
+    traj = kd.load_trajectories(cache).to(device)  # the cache is on disk (CPU tensors)
     k_student = model(INIT_KD)
     k_opt = optim.adam(lr=optim.schedules.cosine_decay(cfg["kd_lr"], cfg["kd_steps"]))
     k_step = kd.make_step(k_student, k_opt, donate=True)

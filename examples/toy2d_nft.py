@@ -81,7 +81,7 @@ def velocity_kl(
 
     The same quantity as the ``kl`` term of the NFT loss, evaluated on ``x0``.
     """
-    idx = torch.arange(x0.shape[0])
+    idx = torch.arange(x0.shape[0], device=x0.device)
     t = flow.sample_timesteps(flow.purpose_key(key, flow.Purpose.TIMESTEP), x0.shape[0], index=idx)
     eps = flow.noise_like(flow.purpose_key(key, flow.Purpose.NOISE), x0, idx)
     x_t = flow.interpolate(x0, eps, t)
@@ -154,14 +154,15 @@ def _run_nft(
         donate=True,
     )
     state = step.prepare(nft.init_state(tree.clone(teacher_params), opt, seed=seed))
+    device = tree.leaves(teacher_params)[0].device  # NFT runs where the teacher's params are
     root = rng.key(seed)
-    noise = rng.normal(rng.fold_in(root, EVAL_NOISE), (N_EVAL, 2))
+    noise = rng.normal(rng.fold_in(root, EVAL_NOISE), (N_EVAL, 2), device=device)
     before_x = _generate(teacher_model, reference, noise)
     before = float(reward_fn(before_x, TensorDict({}, [N_EVAL])).mean())
     p = NFT["prompts"]
 
     def prompts(i: int) -> TensorDict:
-        return TensorDict({"index": torch.arange(i * p, (i + 1) * p)}, [p])
+        return TensorDict({"index": torch.arange(i * p, (i + 1) * p, device=device)}, [p])
 
     state, _ = train(
         step,
@@ -196,10 +197,16 @@ def _run_nft(
 
 
 def train_teacher(
-    *, steps: int, seed: int, progress: bool, hidden: int = 128, batch: int = 512
+    *,
+    steps: int,
+    seed: int,
+    progress: bool,
+    hidden: int = 128,
+    batch: int = 512,
+    device: torch.device | str = "cpu",
 ) -> tuple[VelocityMLP, TensorDictBase]:
     """A flow-matching teacher on 8 Gaussians (``finetune`` with an EMA of the weights)."""
-    model = VelocityMLP(hidden=hidden, depth=3)
+    model = VelocityMLP(hidden=hidden, depth=3).to(device)
     opt = optim.adamw(
         lr=optim.schedules.warmup_cosine(2e-3, min(100, steps - 1), steps), weight_decay=0.0
     )
@@ -208,7 +215,8 @@ def train_teacher(
     data_key = rng.fold_in(rng.key(seed), TEACHER_DATA)
 
     def data(i: int) -> TensorDict:
-        return TensorDict({"x0": eight_gaussians(data_key, batch, offset=i * batch)}, [batch])
+        x0 = eight_gaussians(data_key, batch, offset=i * batch, device=device)
+        return TensorDict({"x0": x0}, [batch])
 
     state, _ = train(step, state, data, steps, desc="teacher (finetune)", progress=progress)
     return model, state["ema", "student"]
@@ -221,13 +229,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--teacher-steps", type=int, default=3000)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    ap.add_argument(
+        "--device",
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="where models and data live (default: cuda when available)",
+    )
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(1)  # small MLPs: one thread is fastest on CPU
     timer = Timer()
     progress = not args.no_progress
-    model, params = train_teacher(steps=args.teacher_steps, seed=args.seed, progress=progress)
+    model, params = train_teacher(
+        steps=args.teacher_steps, seed=args.seed, progress=progress, device=args.device
+    )
     timer.lap("teacher")
     summary: dict[str, Any] = {
         "nft_config": NFT,

@@ -89,10 +89,12 @@ def seeded(module: nn.Module, key: torch.Tensor) -> nn.Module:
             bound = 1.0 / math.sqrt(mod.in_features)
             for p in (mod.weight, mod.bias):
                 if p is not None:
-                    p.copy_(rng.uniform(rng.fold_in(key, i), p.shape, low=-bound, high=bound))
+                    k = rng.fold_in(key, i)
+                    p.copy_(rng.uniform(k, p.shape, low=-bound, high=bound, device=p.device))
                     i += 1
         elif isinstance(mod, nn.Embedding):
-            mod.weight.copy_(rng.normal(rng.fold_in(key, i), mod.weight.shape))
+            w = mod.weight
+            w.copy_(rng.normal(rng.fold_in(key, i), w.shape, device=w.device))
             i += 1
     return module
 
@@ -101,13 +103,20 @@ def seeded(module: nn.Module, key: torch.Tensor) -> nn.Module:
 
 
 def eight_gaussians(
-    key: torch.Tensor, n: int, *, radius: float = 2.0, std: float = 0.15, offset: int = 0
+    key: torch.Tensor,
+    n: int,
+    *,
+    radius: float = 2.0,
+    std: float = 0.15,
+    offset: int = 0,
+    device: torch.device | str | None = None,
 ) -> torch.Tensor:
     """``n`` points of a mixture of 8 Gaussians on a circle; point ``i`` depends on ``(key, offset + i)``.
 
-    The mixture's means are ``radius * (cos(k pi/4), sin(k pi/4))``.
+    The mixture's means are ``radius * (cos(k pi/4), sin(k pi/4))``. The points are
+    drawn on ``device`` (default CPU); the same on every device up to ``normal``'s last bits.
     """
-    idx = torch.arange(offset, offset + n, dtype=torch.int64)
+    idx = torch.arange(offset, offset + n, dtype=torch.int64, device=device)
     comp = rng.randint(rng.fold_in(key, 1), 0, 8, (n,), index=idx)
     angle = comp.to(torch.float32) * (math.pi / 4)
     centers = radius * torch.stack([angle.cos(), angle.sin()], dim=1)
@@ -124,12 +133,14 @@ def shuffled_batches(
     the stream, for per-sample noise.
     """
     n = int(data.batch_size[0])
+    dev = data.device or next(iter(data.values(True, True))).device  # order and ids go with data
     epoch = 0
     while True:
-        perm = rng.randperm(rng.fold_in(key, epoch), n)
+        perm = rng.randperm(rng.fold_in(key, epoch), n, device=dev)
         for start in range(0, n - batch_size + 1, batch_size):
             out = data[perm[start : start + batch_size]]
-            out.set("index", epoch * n + torch.arange(start, start + batch_size, dtype=torch.int64))
+            ids = torch.arange(start, start + batch_size, dtype=torch.int64, device=dev)
+            out.set("index", ids.add_(epoch * n))
             yield out
         epoch += 1
 
@@ -147,11 +158,11 @@ def sliced_wasserstein(
     """
     if a.shape != b.shape:
         raise ValueError(f"sliced_wasserstein: shapes differ: {tuple(a.shape)} vs {tuple(b.shape)}")
-    d = rng.normal(key, (a.shape[1], n_proj), dtype=torch.float64)
+    d = rng.normal(key, (a.shape[1], n_proj), dtype=torch.float64, device=a.device)
     d = d / d.norm(dim=0, keepdim=True)
     pa = torch.sort(a.double() @ d, dim=0).values
     pb = torch.sort(b.double() @ d, dim=0).values
-    return float((pa - pb).abs().mean())
+    return float((pa - pb).abs().mean())  # one host read per evaluation
 
 
 def gaussian_frechet(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -8,6 +8,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tensordict import TensorDict
 from torch import nn
 
 from purestep import rng
@@ -329,3 +330,17 @@ def test_renoise_sampler_is_exact_and_per_sample(seed: int, n: int, cut: int) ->
         v, noise[cut:], steps, key=key, index=idx[cut:], return_trajectory=True
     )
     torch.testing.assert_close(torch.cat([t1, t2], dim=1), traj, rtol=0, atol=1e-12)
+
+
+def test_default_sample_ids_and_draws_live_on_the_batch_device() -> None:
+    """A batch without ids gets arange(B) on its own device (meta standing in for CUDA), so
+    timesteps and noise drawn with those ids land there too, from a CPU key."""
+    batch = TensorDict({"x0": torch.zeros(4, 3, device="meta")}, [4])
+    idx = flow.batch_index(batch)
+    assert idx.device.type == "meta" and idx.shape == (4,)
+    assert flow.sample_timesteps(rng.key(0), 4, index=idx).device.type == "meta"
+    assert flow.noise_like(rng.key(0), batch["x0"], idx).device.type == "meta"
+    x = flow.renoise_sample(
+        lambda x, t: x, torch.zeros(4, 3, device="meta"), [1.0, 0.5, 0.0], key=rng.key(0)
+    )
+    assert x.device.type == "meta"

@@ -158,3 +158,11 @@ def test_batches_visit_every_row_once_per_epoch() -> None:
     again = kd.batches(data, 4, key=rng.key(3))
     for b in epoch:
         assert torch.equal(next(again)["x"], b["x"])
+
+
+def test_batches_draw_order_and_ids_on_the_data_device() -> None:
+    """kd.batches of data on a device (meta standing in for CUDA) keeps order and ids there."""
+    data = TensorDict({"x": torch.zeros(6, 2, device="meta")}, [6], device="meta")
+    batch = next(kd.batches(data, 3, key=rng.key(0)))
+    assert batch["x"].device.type == "meta"
+    assert batch["index"].device.type == "meta"

@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import math
+import sys
+import types
+import warnings
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
-from purestep import rng
+from purestep import _rng_dispatch, rng
 
 # --------------------------------------------------------------------------- reference
 # An independent pure-Python splitmix64 on unsigned ints, written from the formulas in
@@ -547,31 +553,97 @@ def test_library_never_touches_the_global_rng() -> None:
         assert all(torch.equal(a, b) for a, b in zip(after, cuda_before, strict=True))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cpu_and_cuda_draws_agree() -> None:
-    """Integer and uniform draws are bit-identical on CPU and CUDA; normals agree to ~1e-6."""
-    k = rng.key(21)
-    idx = torch.tensor([3, 1, 4, 1000])
-    for dt in FLOAT_DTYPES:
-        assert torch.equal(
-            rng.uniform(k, (4, 1000), dtype=dt, index=idx),
-            rng.uniform(k, (4, 1000), dtype=dt, index=idx.cuda(), device="cuda").cpu(),
-        )
-    assert torch.equal(
-        rng.randint(k, 0, 99, 5000), rng.randint(k, 0, 99, 5000, device="cuda").cpu()
-    )
-    assert torch.equal(rng.randperm(k, 5000), rng.randperm(k, 5000, device="cuda").cpu())
-    assert torch.equal(
-        rng.bernoulli(k, 0.3, 5000), rng.bernoulli(k, 0.3, 5000, device="cuda").cpu()
-    )
-    assert torch.equal(
-        rng.fold_in(k.cuda(), torch.arange(9)).cpu(), rng.fold_in(k, torch.arange(9))
-    )
-    torch.testing.assert_close(
-        rng.normal(k, (4, 1000), index=idx),
-        rng.normal(k, (4, 1000), index=idx, device="cuda").cpu(),
-        rtol=1e-5,
-        atol=1e-5,
-    )
-    cuda_key_draw = rng.uniform(k.cuda(), 10)
-    assert cuda_key_draw.device.type == "cuda"
+@pytest.mark.parametrize("name", list(DRAWS))
+def test_draws_compute_on_the_index_device_unless_device_says_otherwise(name: str) -> None:
+    """A draw with index lands on index's device (meta here, standing in for CUDA) though the
+    key is on the CPU; device= overrides it; without index the key's device is kept."""
+    draw = DRAWS[name]
+    k = rng.key(8)
+    meta_idx = torch.arange(4, device="meta")
+    assert draw(k, (4, 3), index=meta_idx).device.type == "meta"
+    assert draw(k, (4, 3), index=torch.arange(4), device="meta").device.type == "meta"
+    assert draw(k, (4, 3)).device.type == "cpu"
+    assert draw(k, (4, 3), device="meta").device.type == "meta"
+    assert draw(k, (4, 3), index=torch.arange(4)).device.type == "cpu"
+
+
+class _CrossDeviceCopies(TorchDispatchMode):
+    """Records every copy op that moves a CPU tensor's data to another device."""
+
+    COPIES = ("_to_copy.default", "copy_.default", "_copy_from.default")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.copies: list[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        ins = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
+        outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
+        from_cpu = any(t.device.type == "cpu" for t in ins)
+        if func.__name__ in self.COPIES and from_cpu and any(o.device.type != "cpu" for o in outs):
+            self.copies.append(func.__name__)
+        return out
+
+
+def test_the_copy_recorder_sees_a_host_to_device_copy() -> None:
+    """The recorder of the next test is not blind: it sees a CPU tensor moved to meta."""
+    with _CrossDeviceCopies() as mode:
+        rng.key(1).to("meta")
+    assert mode.copies
+
+
+@pytest.mark.parametrize("name", list(DRAWS))
+def test_a_cpu_key_reaches_the_index_device_without_a_copy(name: str) -> None:
+    """The per-row keys of a CPU key and a device index are derived on the device with the key's
+    value as a host scalar: no host-to-device copy (on CUDA, no sync) of the key."""
+    k = rng.key(9)
+    if name == "bernoulli_tensor_p":  # p itself lives on the CPU: its copy is the caller's choice
+        return
+    with _CrossDeviceCopies() as mode:
+        DRAWS[name](k, (4, 3), index=torch.arange(4, device="meta"))
+        DRAWS[name](k, (6,), device="meta")
+    assert mode.copies == [], mode.copies
+
+
+def test_device_draws_equal_fold_in_rows() -> None:
+    """Row keys derived on the index's device equal fold_in(key, index[i]) (checked on CPU with
+    the device path's host-scalar key)."""
+    k = rng.key(10)
+    idx = torch.tensor([3, -7, 2**45])
+    rows = _rng_dispatch.rows_of(k, (3, 5), idx, torch.device("cpu"), "normal")
+    assert torch.equal(rng._row_keys(rows), rng.fold_in(k, idx))
+
+
+def test_fused_kernels_serve_only_cuda_draws_outside_compile(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The dispatcher offers the fused kernels to CUDA draws only: never on CPU (or meta), never
+    while torch.compile traces (the compiler fuses the eager ops), never with
+    PURESTEP_RNG_TRITON=0 (then triton is not even imported)."""
+    fake = types.ModuleType("kernels")
+    monkeypatch.setattr(_rng_dispatch, "_FUSED", {"module": fake, "tried": True})
+    assert _rng_dispatch.kernels(torch.device("cuda")) is fake
+    assert _rng_dispatch.kernels(torch.device("cpu")) is None
+    assert _rng_dispatch.kernels(torch.device("meta")) is None
+    with monkeypatch.context() as m:
+        m.setattr(torch.compiler, "is_compiling", lambda: True)
+        assert _rng_dispatch.kernels(torch.device("cuda")) is None
+    monkeypatch.setattr(_rng_dispatch, "_FUSED", {"module": None, "tried": False})
+    monkeypatch.setenv("PURESTEP_RNG_TRITON", "0")
+    monkeypatch.setitem(sys.modules, "purestep._rng_triton", None)  # importing it would fail
+    assert _rng_dispatch.kernels(torch.device("cuda")) is None
+    assert _rng_dispatch._FUSED == {"module": None, "tried": True}
+
+
+def test_without_triton_cuda_draws_take_the_eager_path_quietly(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """No triton package (a CPU build of torch): the kernels module fails to import, and the
+    dispatcher falls back to the eager path without a warning."""
+    monkeypatch.setattr(_rng_dispatch, "_FUSED", {"module": None, "tried": False})
+    monkeypatch.delenv("PURESTEP_RNG_TRITON", raising=False)
+    monkeypatch.setitem(sys.modules, "purestep._rng_triton", None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert _rng_dispatch.kernels(torch.device("cuda")) is None

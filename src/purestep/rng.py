@@ -56,8 +56,24 @@ bits) and ``D`` the significand digits of the dtype (53 float64, 24 float32,
   signed int64 (ties have probability ``< n**2 / 2**65``; they keep index order).
 * ``bernoulli(p)``: ``top(w_j, 53) * 2**-53 < p`` in float64.
 
-Integer results and ``uniform``/``bernoulli`` are bit-identical on CPU and
-CUDA; ``normal`` agrees up to the last bits of ``log``/``cos``/``sin``.
+Devices. A draw computes on ``device`` when given, else on ``index``'s device
+when there is an index (so noise lands where the batch is), else on the key's
+device. Keys normally live on the CPU (``state["rng"]``): a CPU key feeding a
+CUDA draw is read on the host, so it costs no copy and no device sync.
+Integer results and ``uniform``/``bernoulli`` are bit-identical on every device;
+``normal`` agrees to within the last bits of ``log``/``cos``/``sin``:
+``|z_a - z_b| <= 8 * eps * max(1, |z|)`` between any two devices, with ``eps``
+the result dtype's machine epsilon (``2**-23`` for float32). Measured on CPU
+(4M float32 values): within ``1.7 * eps * max(1, |z|)`` of the formula evaluated
+in float64; CUDA's ``logf`` (1 ulp) and ``sinf``/``cosf`` (2 ulp) keep it
+within the bound. On CUDA each draw is one fused Triton kernel
+(``purestep._rng_triton``) computing the same formulas, when the ``triton``
+package is importable; the first CUDA draw of each kind in a process is checked
+once against the eager path (one host sync), which replaces the kernel for the
+rest of the process, with a warning, if they ever disagree. Each kernel variant
+(draw, dtype, row length class) compiles once on first use (Triton caches it on
+disk). Inside ``torch.compile`` tracing draws are eager ops, which the compiler
+fuses itself. Set ``PURESTEP_RNG_TRITON=0`` to always use the eager path.
 Streams of two distinct keys overlap only if the keys differ by a multiple
 ``t * G`` with ``|t|`` below the draw length: probability about
 ``n_keys**2 * length / 2**64``.
@@ -78,10 +94,13 @@ Example:
 from __future__ import annotations
 
 import math
-import operator
-from collections.abc import Sequence
+from types import ModuleType
 
 import torch
+
+from purestep import _rng_args as _a
+from purestep._rng_args import DIGITS, I64_MAX, I64_MIN, U64, ShapeLike, as_int, signed
+from purestep._rng_dispatch import Core, Rows, device_of, draw, rows_of
 
 __all__ = [
     "ShapeLike",
@@ -95,26 +114,12 @@ __all__ = [
     "uniform",
 ]
 
-ShapeLike = int | Sequence[int]
-
-_U64 = 1 << 64
-_I64_MIN = -(1 << 63)
-_I64_MAX = (1 << 63) - 1
-
-
-def _signed(u: int) -> int:
-    """The int64 two's-complement value of the unsigned 64-bit word ``u mod 2**64``."""
-    u %= _U64
-    return u - _U64 if u > _I64_MAX else u
-
-
-_G = _signed(0x9E3779B97F4A7C15)
-_M1 = _signed(0xBF58476D1CE4E5B9)
-_M2 = _signed(0x94D049BB133111EB)
-_FOLD_SALT = _signed(0xD1B54A32D192ED03)
-_SPLIT_SALT = _signed(0x5851F42D4C957F2D)
+_G = signed(0x9E3779B97F4A7C15)
+_M1 = signed(0xBF58476D1CE4E5B9)
+_M2 = signed(0x94D049BB133111EB)
+_FOLD_SALT = signed(0xD1B54A32D192ED03)
+_SPLIT_SALT = signed(0x5851F42D4C957F2D)
 _CPU_CHUNK = 1 << 17  # elements per in-cache block when mixing on CPU
-_DIGITS = {torch.float64: 53, torch.float32: 24, torch.float16: 11, torch.bfloat16: 8}
 
 
 # --------------------------------------------------------------------------- mixing
@@ -158,94 +163,28 @@ def _top(words: torch.Tensor, d: int) -> torch.Tensor:
     return torch.bitwise_right_shift(words, 64 - d).bitwise_and_((1 << d) - 1)
 
 
-# --------------------------------------------------------------------------- validation
+# --------------------------------------------------------------------------- rows
 
 
-def _describe(x: object) -> str:
-    if isinstance(x, torch.Tensor):
-        return f"Tensor(shape={tuple(x.shape)}, dtype={x.dtype}, device={x.device})"
-    return f"{type(x).__name__} {x!r}"
+def _row_keys(rows: Rows) -> torch.Tensor:
+    """The rows' keys on ``rows.dev`` (eager path): ``key``, or ``fold_in(key, index)``.
+
+    A CPU key joins device arithmetic as a host scalar (its value is read on the
+    CPU): no host-to-device copy, so no device sync.
+    """
+    k, dev = rows.key, rows.dev
+    host = k.device.type == "cpu" and dev.type != "cpu" and not torch.compiler.is_compiling()
+    if rows.index is None:
+        if k.device == dev:
+            return k
+        return torch.full((), int(k), dtype=torch.int64, device=dev) if host else k.to(dev)
+    z = _mix_(torch.bitwise_xor(rows.index, _FOLD_SALT))
+    return _mix_(z.bitwise_xor_(int(k) if host else k.to(dev)))
 
 
-def _as_int(x: object, what: str, lo: int, hi: int) -> int:
-    """``x`` as a Python int in ``[lo, hi]``; ``what`` names the argument in errors."""
-    if isinstance(x, bool | torch.Tensor):
-        raise TypeError(f"{what} must be an int, got {_describe(x)}")
-    try:
-        v = operator.index(x)  # type: ignore[arg-type]
-    except TypeError:
-        raise TypeError(f"{what} must be an int, got {_describe(x)}") from None
-    if not lo <= v <= hi:
-        raise ValueError(f"{what} must be in [{lo}, {hi}], got {v}")
-    return v
-
-
-def _check_key(k: object, fn: str, *, scalar: bool) -> torch.Tensor:
-    if not isinstance(k, torch.Tensor) or k.dtype != torch.int64 or (scalar and k.dim() != 0):
-        need = "a 0-dim int64 tensor" if scalar else "an int64 tensor"
-        hint = f"; make one with rng.key({k!r})" if isinstance(k, int) else ""
-        raise TypeError(
-            f"{fn}: key must be {need} (from rng.key/fold_in/split), got {_describe(k)}{hint}"
-        )
-    return k
-
-
-def _shape(shape: ShapeLike, fn: str) -> tuple[int, ...]:
-    if isinstance(shape, torch.Tensor | str):
-        raise TypeError(f"{fn}: shape must be an int or a sequence of ints, got {_describe(shape)}")
-    dims = [shape] if not isinstance(shape, Sequence) else list(shape)
-    return tuple(_as_int(d, f"{fn}: shape {tuple(dims)!r} entry", 0, _I64_MAX) for d in dims)
-
-
-def _device(device: torch.device | str | None, k: torch.Tensor) -> torch.device:
-    return k.device if device is None else torch.device(device)
-
-
-def _check_index(index: object, fn: str) -> torch.Tensor:
-    if not isinstance(index, torch.Tensor) or index.dtype != torch.int64 or index.dim() != 1:
-        raise TypeError(
-            f"{fn}: index must be a 1-D int64 tensor of sample ids, got {_describe(index)}"
-        )
-    return index
-
-
-def _row_keys(
-    k: torch.Tensor, shape: tuple[int, ...], index: object, dev: torch.device, fn: str
-) -> tuple[torch.Tensor, int]:
-    """Keys of the rows and the words per row: ``(k, numel)`` or ``(fold_in(k, index), numel / B)``."""
-    k = k.to(dev)
-    if index is None:
-        return k, math.prod(shape)
-    idx = _check_index(index, fn)
-    if not shape:
-        raise ValueError(
-            f"{fn}: index needs a shape with a leading (batch) dimension, got shape ()"
-        )
-    if idx.shape[0] != shape[0]:
-        raise ValueError(
-            f"{fn}: index has length {idx.shape[0]} but shape {shape} needs shape[0] = {shape[0]}"
-        )
-    return fold_in(k, idx.to(dev)), math.prod(shape[1:])
-
-
-def _broadcasts_to(src: tuple[int, ...], dst: tuple[int, ...]) -> bool:
-    """Whether a tensor of shape ``src`` broadcasts to exactly ``dst``."""
-    if len(src) > len(dst):
-        return False
-    return all(a in (1, b) for a, b in zip(reversed(src), reversed(dst), strict=False))
-
-
-def _float_dtype(dtype: torch.dtype | None, fn: str) -> torch.dtype:
-    dt = torch.get_default_dtype() if dtype is None else dtype
-    if dt not in _DIGITS:
-        raise TypeError(f"{fn}: dtype must be one of {sorted(map(str, _DIGITS))}, got {dt}")
-    return dt
-
-
-def _finite(x: object, what: str) -> float:
-    if isinstance(x, bool) or not isinstance(x, int | float) or not math.isfinite(x):
-        raise ValueError(f"{what} must be a finite float, got {_describe(x)}")
-    return float(x)
+def _words(rows: Rows) -> torch.Tensor:
+    """The eager words of every row: shape ``(n,)`` or ``(rows, n)``."""
+    return _bits(_row_keys(rows), rows.n, rows.dev)
 
 
 # --------------------------------------------------------------------------- keys
@@ -264,16 +203,16 @@ def key(seed: int) -> torch.Tensor:
         >>> torch.equal(key(0), key(0)), torch.equal(key(0), key(1))
         (True, False)
     """
-    s = _as_int(seed, "key: seed", _I64_MIN, _U64 - 1)
-    return _mix_(torch.tensor(_signed(s + _G), dtype=torch.int64))
+    s = as_int(seed, "key: seed", I64_MIN, U64 - 1)
+    return _mix_(torch.tensor(signed(s + _G), dtype=torch.int64))
 
 
 def _mix_int(z: int) -> int:
     """:func:`_mix_` on one unsigned 64-bit word held in a Python int."""
     z ^= z >> 30
-    z = (z * _M1) % _U64
+    z = (z * _M1) % U64
     z ^= z >> 27
-    z = (z * _M2) % _U64
+    z = (z * _M2) % U64
     return z ^ (z >> 31)
 
 
@@ -288,11 +227,11 @@ def _datum(d: object, i: int, dev: torch.device) -> torch.Tensor:
     if isinstance(d, torch.Tensor):
         if d.dtype != torch.int64:
             raise TypeError(
-                f"fold_in: data[{i}] must be an int or an int64 tensor, got {_describe(d)}"
+                f"fold_in: data[{i}] must be an int or an int64 tensor, got {_a.describe(d)}"
             )
         return d.to(dev)
-    v = _as_int(d, f"fold_in: data[{i}]", _I64_MIN, _U64 - 1)
-    return torch.tensor(_signed(v), dtype=torch.int64, device=dev)
+    v = as_int(d, f"fold_in: data[{i}]", I64_MIN, U64 - 1)
+    return torch.tensor(signed(v), dtype=torch.int64, device=dev)
 
 
 def fold_in(key: torch.Tensor, *data: int | torch.Tensor) -> torch.Tensor:
@@ -315,18 +254,18 @@ def fold_in(key: torch.Tensor, *data: int | torch.Tensor) -> torch.Tensor:
         >>> torch.equal(fold_in(k, torch.arange(3))[2], fold_in(k, 2))
         True
     """
-    k = _check_key(key, "fold_in", scalar=False)
+    k = _a.check_key(key, "fold_in", scalar=False)
     if k.dim() == 0 and k.device.type == "cpu" and all(_host_scalar(d) for d in data):
         # one key on the host (the step key): the same words in Python ints, ~10x faster
-        z = int(k) % _U64
+        z = int(k) % U64
         for i, d in enumerate(data):
             v = (
                 int(d)
                 if isinstance(d, torch.Tensor)
-                else _as_int(d, f"fold_in: data[{i}]", _I64_MIN, _U64 - 1)
+                else as_int(d, f"fold_in: data[{i}]", I64_MIN, U64 - 1)
             )
-            z = _mix_int(z ^ _mix_int((v ^ _FOLD_SALT) % _U64))
-        return torch.tensor(_signed(z), dtype=torch.int64)
+            z = _mix_int(z ^ _mix_int((v ^ _FOLD_SALT) % U64))
+        return torch.tensor(signed(z), dtype=torch.int64)
     out = k.clone()
     for i, d in enumerate(data):
         t = _datum(d, i, k.device)
@@ -347,13 +286,28 @@ def split(key: torch.Tensor, n: int) -> torch.Tensor:
         >>> torch.equal(split(key(0), 5)[:2], split(key(0), 2))
         True
     """
-    k = _check_key(key, "split", scalar=False)
-    m = _as_int(n, "split: n", 0, _I64_MAX)
+    k = _a.check_key(key, "split", scalar=False)
+    m = as_int(n, "split: n", 0, I64_MAX)
     salted = _mix_(torch.bitwise_xor(k, _SPLIT_SALT))
     return fold_in(salted.unsqueeze(-1), torch.arange(m, dtype=torch.int64, device=k.device))
 
 
 # --------------------------------------------------------------------------- draws
+
+
+def _uniform_core(dt: torch.dtype, direct: bool) -> Core:
+    """``top(w, D) * 2**-D`` per element, flat; in ``dt`` if ``direct``, else in float32/64."""
+    d = DIGITS[dt]
+    cdt = torch.float64 if dt == torch.float64 else torch.float32
+
+    def core(rows: Rows, kern: ModuleType | None) -> torch.Tensor:
+        if kern is not None:
+            out = torch.empty(rows.numel, dtype=dt if direct else cdt, device=rows.dev)
+            return kern.uniform(out, rows.key, rows.index, rows.n, d)  # type: ignore[no-any-return]
+        u = _top(_words(rows), d).to(cdt).mul_(2.0**-d).view(-1)
+        return u.to(dt) if direct else u
+
+    return core
 
 
 def uniform(
@@ -374,7 +328,7 @@ def uniform(
         low: inclusive lower bound.
         high: exclusive upper bound, ``> low``.
         dtype: float64, float32, float16 or bfloat16; default ``torch.get_default_dtype()``.
-        device: where to compute; default ``key``'s device.
+        device: where to compute; default ``index``'s device, else ``key``'s.
         index: int64 sample ids of length ``shape[0]``: row ``i`` is drawn from
             ``fold_in(key, index[i])``.
 
@@ -385,24 +339,44 @@ def uniform(
         >>> uniform(key(0), 3, low=-1.0, high=1.0, dtype=torch.float16).dtype
         torch.float16
     """
-    k = _check_key(key, "uniform", scalar=True)
-    dims = _shape(shape, "uniform")
-    dt = _float_dtype(dtype, "uniform")
-    lo, hi = _finite(low, "uniform: low"), _finite(high, "uniform: high")
+    k = _a.check_key(key, "uniform", scalar=True)
+    dims = _a.shape(shape, "uniform")
+    dt = _a.float_dtype(dtype, "uniform")
+    lo, hi = _a.finite(low, "uniform: low"), _a.finite(high, "uniform: high")
     if not lo < hi:
         raise ValueError(f"uniform: need low < high, got low={lo}, high={hi}")
-    dev = _device(device, k)
-    keys, n = _row_keys(k, dims, index, dev, "uniform")
-    d = _DIGITS[dt]
-    cdt = torch.float64 if dt == torch.float64 else torch.float32
-    u = _top(_bits(keys, n, dev), d).to(cdt).mul_(2.0**-d)
-    if (lo, hi) != (0.0, 1.0):
+    rows = rows_of(k, dims, index, device_of(device, k, index), "uniform")
+    direct = (lo, hi) == (0.0, 1.0)
+    u = draw(rows, ("uniform", dt, direct), _uniform_core(dt, direct))
+    if not direct:
         u = u.mul_(hi - lo).add_(lo).to(dt)
         top = torch.tensor(hi, dtype=torch.float64).to(dt)
         if float(top) >= hi:
             top = torch.nextafter(top, torch.tensor(-math.inf, dtype=dt))
         u = u.clamp_max_(float(top))
-    return u.to(dt).reshape(dims)
+    return u.reshape(dims)
+
+
+def _normal_core(dt: torch.dtype, direct: bool) -> Core:
+    """Box-Muller per pair of words, flat; in ``dt`` if ``direct``, else in float32/64."""
+    cdt, d = (torch.float64, 53) if dt == torch.float64 else (torch.float32, 24)
+
+    def core(rows: Rows, kern: ModuleType | None) -> torch.Tensor:
+        if kern is not None:
+            out = torch.empty(rows.numel, dtype=dt if direct else cdt, device=rows.dev)
+            return kern.normal(out, rows.key, rows.index, rows.n, d)  # type: ignore[no-any-return]
+        pairs = (rows.n + 1) // 2
+        keys = _row_keys(rows)
+        words = _bits(keys, 2 * pairs, rows.dev).view(*keys.shape, pairs, 2)
+        scale = 2.0**-d
+        v = _top(words[..., 0], d).neg_().add_(1 << d).to(cdt).mul_(scale)  # in (0, 1]
+        theta = _top(words[..., 1], d).to(cdt).mul_(2.0 * math.pi * scale)
+        r = v.log_().mul_(-2.0).sqrt_()
+        z = torch.stack((torch.cos(theta).mul_(r), theta.sin_().mul_(r)), dim=-1)
+        z = z.view(*keys.shape, 2 * pairs)[..., : rows.n].reshape(-1)
+        return z.to(dt) if direct else z
+
+    return core
 
 
 def normal(
@@ -423,7 +397,7 @@ def normal(
         mean: the mean.
         std: the standard deviation, ``>= 0``.
         dtype: float64, float32, float16 or bfloat16; default ``torch.get_default_dtype()``.
-        device: where to compute; default ``key``'s device.
+        device: where to compute; default ``index``'s device, else ``key``'s.
         index: int64 sample ids of length ``shape[0]``: row ``i`` is drawn from
             ``fold_in(key, index[i])``.
 
@@ -432,26 +406,18 @@ def normal(
         >>> abs(float(z.mean())) < 0.2, 0.8 < float(z.std()) < 1.2
         (True, True)
     """
-    k = _check_key(key, "normal", scalar=True)
-    dims = _shape(shape, "normal")
-    dt = _float_dtype(dtype, "normal")
-    mu, sigma = _finite(mean, "normal: mean"), _finite(std, "normal: std")
+    k = _a.check_key(key, "normal", scalar=True)
+    dims = _a.shape(shape, "normal")
+    dt = _a.float_dtype(dtype, "normal")
+    mu, sigma = _a.finite(mean, "normal: mean"), _a.finite(std, "normal: std")
     if sigma < 0:
         raise ValueError(f"normal: std must be >= 0, got {sigma}")
-    dev = _device(device, k)
-    keys, n = _row_keys(k, dims, index, dev, "normal")
-    cdt, d = (torch.float64, 53) if dt == torch.float64 else (torch.float32, 24)
-    pairs = (n + 1) // 2
-    words = _bits(keys, 2 * pairs, dev).view(*keys.shape, pairs, 2)
-    scale = 2.0**-d
-    v = _top(words[..., 0], d).neg_().add_(1 << d).to(cdt).mul_(scale)  # in (0, 1]
-    theta = _top(words[..., 1], d).to(cdt).mul_(2.0 * math.pi * scale)
-    r = v.log_().mul_(-2.0).sqrt_()
-    z = torch.stack((torch.cos(theta).mul_(r), theta.sin_().mul_(r)), dim=-1)
-    z = z.view(*keys.shape, 2 * pairs)[..., :n]
-    if (mu, sigma) != (0.0, 1.0):
-        z = z.mul(sigma).add_(mu)
-    return z.to(dt).reshape(dims)
+    rows = rows_of(k, dims, index, device_of(device, k, index), "normal")
+    direct = (mu, sigma) == (0.0, 1.0)
+    z = draw(rows, ("normal", dt, direct), _normal_core(dt, direct))
+    if not direct:
+        z = z.mul_(sigma).add_(mu).to(dt)
+    return z.reshape(dims)
 
 
 def randint(
@@ -472,7 +438,7 @@ def randint(
         high: exclusive upper bound; ``0 < high - low < 2**63``.
         shape: the output shape.
         dtype: default int64; any integer or float dtype that holds ``[low, high)``.
-        device: where to compute; default ``key``'s device.
+        device: where to compute; default ``index``'s device, else ``key``'s.
         index: int64 sample ids of length ``shape[0]``: row ``i`` is drawn from
             ``fold_in(key, index[i])``.
 
@@ -481,14 +447,14 @@ def randint(
         >>> x.dtype, bool(((x >= 0) & (x < 10)).all())
         (torch.int64, True)
     """
-    k = _check_key(key, "randint", scalar=True)
-    lo = _as_int(low, "randint: low", _I64_MIN, _I64_MAX)
-    hi = _as_int(high, "randint: high", _I64_MIN, _I64_MAX)
+    k = _a.check_key(key, "randint", scalar=True)
+    lo = as_int(low, "randint: low", I64_MIN, I64_MAX)
+    hi = as_int(high, "randint: high", I64_MIN, I64_MAX)
     if not lo < hi:
         raise ValueError(f"randint: need low < high, got low={lo}, high={hi}")
-    if hi - lo > _I64_MAX:
+    if hi - lo > I64_MAX:
         raise ValueError(f"randint: high - low must be < 2**63, got {hi - lo}")
-    dims = _shape(shape, "randint")
+    dims = _a.shape(shape, "randint")
     dt = torch.int64 if dtype is None else dtype
     if dt == torch.bool or dt.is_complex:
         raise TypeError(f"randint: dtype must be an integer or float dtype, got {dt}")
@@ -498,10 +464,26 @@ def randint(
             raise ValueError(
                 f"randint: [{lo}, {hi}) does not fit dtype {dt} [{info.min}, {info.max}]"
             )
-    dev = _device(device, k)
-    keys, n = _row_keys(k, dims, index, dev, "randint")
-    x = _top(_bits(keys, n, dev), 63).remainder_(hi - lo).add_(lo)
-    return x.to(dt).reshape(dims)
+
+    def core(rows: Rows, kern: ModuleType | None) -> torch.Tensor:
+        if kern is not None:
+            out = torch.empty(rows.numel, dtype=dt, device=rows.dev)
+            return kern.randint(out, rows.key, rows.index, rows.n, lo, hi - lo)  # type: ignore[no-any-return]
+        return _top(_words(rows), 63).remainder_(hi - lo).add_(lo).to(dt).view(-1)
+
+    rows = rows_of(k, dims, index, device_of(device, k, index), "randint")
+    return draw(rows, ("randint", dt), core).reshape(dims)
+
+
+def _randperm_core(rows: Rows, kern: ModuleType | None) -> torch.Tensor:
+    """The stable argsort of each row's words: shape ``(n,)`` or ``(rows, n)``."""
+    if kern is not None:
+        words = torch.empty(rows.numel, dtype=torch.int64, device=rows.dev)
+        words = kern.words(words, rows.key, rows.index, rows.n)
+        words = words.view(-1, rows.n) if rows.index is not None else words
+    else:
+        words = _words(rows)
+    return torch.argsort(words, dim=-1, stable=True)
 
 
 def randperm(
@@ -521,7 +503,7 @@ def randperm(
         key: a 0-dim int64 key.
         n: the permutation length, ``>= 0``.
         dtype: default int64; an integer dtype that holds ``n - 1``.
-        device: where to compute; default ``key``'s device.
+        device: where to compute; default ``index``'s device, else ``key``'s.
         index: int64 sample ids: one permutation per sample.
 
     Example:
@@ -531,17 +513,16 @@ def randperm(
         >>> randperm(key(0), 5, index=torch.arange(3)).shape
         torch.Size([3, 5])
     """
-    k = _check_key(key, "randperm", scalar=True)
-    m = _as_int(n, "randperm: n", 0, _I64_MAX)
+    k = _a.check_key(key, "randperm", scalar=True)
+    m = as_int(n, "randperm: n", 0, I64_MAX)
     dt = torch.int64 if dtype is None else dtype
     if dt == torch.bool or dt.is_complex or dt.is_floating_point:
         raise TypeError(f"randperm: dtype must be an integer dtype, got {dt}")
     if m > 0 and m - 1 > torch.iinfo(dt).max:
         raise ValueError(f"randperm: n={m} does not fit dtype {dt}")
-    dev = _device(device, k)
-    dims = (m,) if index is None else (_check_index(index, "randperm").shape[0], m)
-    keys, per_row = _row_keys(k, dims, index, dev, "randperm")
-    return torch.argsort(_bits(keys, per_row, dev), dim=-1, stable=True).to(dt)
+    dims = (m,) if index is None else (_a.check_index(index, "randperm").shape[0], m)
+    rows = rows_of(k, dims, index, device_of(device, k, index), "randperm")
+    return draw(rows, ("randperm",), _randperm_core).to(dt)
 
 
 def bernoulli(
@@ -563,7 +544,7 @@ def bernoulli(
         shape: the output shape.
         dtype: default ``p.dtype`` for a float tensor ``p``, else
             ``torch.get_default_dtype()``; ``torch.bool`` gives a mask.
-        device: where to compute; default ``key``'s device.
+        device: where to compute; default ``index``'s device, else ``key``'s.
         index: int64 sample ids of length ``shape[0]``: row ``i`` is drawn from
             ``fold_in(key, index[i])``.
 
@@ -574,23 +555,31 @@ def bernoulli(
         tensor([[False,  True],
                 [False,  True]])
     """
-    k = _check_key(key, "bernoulli", scalar=True)
-    dims = _shape(shape, "bernoulli")
+    k = _a.check_key(key, "bernoulli", scalar=True)
+    dims = _a.shape(shape, "bernoulli")
     if isinstance(p, torch.Tensor):
         if not p.dtype.is_floating_point:
-            raise TypeError(f"bernoulli: p must be a float or a float tensor, got {_describe(p)}")
-        if not _broadcasts_to(tuple(p.shape), dims):
+            raise TypeError(f"bernoulli: p must be a float or a float tensor, got {_a.describe(p)}")
+        if not _a.broadcasts_to(tuple(p.shape), dims):
             raise ValueError(
                 f"bernoulli: p of shape {tuple(p.shape)} does not broadcast to shape {dims}"
             )
         dt = p.dtype if dtype is None else dtype
     else:
-        pv = _finite(p, "bernoulli: p")
+        pv = _a.finite(p, "bernoulli: p")
         if not 0.0 <= pv <= 1.0:
             raise ValueError(f"bernoulli: p must be in [0, 1], got {pv}")
         dt = torch.get_default_dtype() if dtype is None else dtype
-    dev = _device(device, k)
-    keys, n = _row_keys(k, dims, index, dev, "bernoulli")
-    u = _top(_bits(keys, n, dev), 53).to(torch.float64).mul_(2.0**-53).reshape(dims)
-    thresh = p.to(device=dev, dtype=torch.float64) if isinstance(p, torch.Tensor) else pv
-    return torch.lt(u, thresh).to(dt)
+    rows = rows_of(k, dims, index, device_of(device, k, index), "bernoulli")
+    if isinstance(p, torch.Tensor):
+        u = draw(rows, ("uniform", torch.float64, True), _uniform_core(torch.float64, True))
+        return torch.lt(u.reshape(dims), p.to(device=rows.dev, dtype=torch.float64)).to(dt)
+
+    def core(rows: Rows, kern: ModuleType | None) -> torch.Tensor:
+        if kern is not None:
+            out = torch.empty(rows.numel, dtype=dt, device=rows.dev)
+            return kern.bernoulli(out, rows.key, rows.index, rows.n, pv)  # type: ignore[no-any-return]
+        u = _top(_words(rows), 53).to(torch.float64).mul_(2.0**-53)
+        return torch.lt(u, pv).to(dt).view(-1)
+
+    return draw(rows, ("bernoulli", dt), core).reshape(dims)

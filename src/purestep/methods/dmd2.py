@@ -242,7 +242,9 @@ def student_sample(
         )
     else:
         j = torch.zeros(b, dtype=torch.int64, device=dev)
-    t_j = torch.tensor(steps, dtype=dt, device=dev)[j]
+    t_j = torch.full((b,), steps[0], dtype=dt, device=dev)  # steps[j], built on the device
+    for i in range(1, n):  # (a host list copied to the GPU would synchronise it)
+        t_j = torch.where(j == i, steps[i], t_j)
     roll_key = flow.purpose_key(key, Purpose.ROLLOUT_NOISE)
     eps = flow.noise_like(roll_key, x_like, index)
     if config.rollout == "data":

@@ -289,7 +289,7 @@ def sample_timesteps(
         high: upper bound of ``t`` before the shift.
         index: int64 ``[B]`` sample ids; without it the ``B`` values are one draw
             from ``key`` (so they depend on ``B``).
-        device: where to draw; default ``key``'s device.
+        device: where to draw; default ``index``'s device, else ``key``'s.
         dtype: result dtype.
 
     Example:
@@ -506,7 +506,7 @@ def renoise_sample(
     """
     ts = _as_steps(steps, "renoise_sample")
     b = noise.shape[0]
-    idx = torch.arange(b, dtype=torch.int64) if index is None else index
+    idx = torch.arange(b, dtype=torch.int64, device=noise.device) if index is None else index
     traj: list[torch.Tensor] = [noise]
     with torch.set_grad_enabled(enable_grad):
         x = noise
@@ -587,7 +587,11 @@ def null_condition(cond: Cond, null: Mapping[str, Any]) -> dict[str, torch.Tenso
             raise KeyError(
                 f"null_condition: no null value for condition {k!r} (have {sorted(null)})"
             )
-        n = torch.as_tensor(null[k], dtype=v.dtype, device=v.device)
+        value = null[k]
+        if isinstance(value, torch.Tensor):
+            n = value.to(dtype=v.dtype, device=v.device)
+        else:  # a fill on the device: a host value copied to a GPU would synchronise it
+            n = torch.full((), value, dtype=v.dtype, device=v.device)
         out[k] = n.expand_as(v).clone() if n.shape != v.shape else n.clone()
     return out
 
@@ -694,7 +698,7 @@ def frozen_params(module: nn.Module) -> TensorDict:
 
 
 def batch_index(batch: TensorDictBase) -> torch.Tensor:
-    """``batch["index"]`` (global sample ids), or ``arange(B)`` when the batch has none.
+    """``batch["index"]`` (global sample ids), or ``arange(B)`` on the batch's device when it has none.
 
     Example:
         >>> batch_index(TensorDict({"x": torch.zeros(3)}, [3]))
@@ -703,8 +707,10 @@ def batch_index(batch: TensorDictBase) -> torch.Tensor:
     if "index" in batch.keys():
         idx: torch.Tensor = batch.get("index")
         return idx
-    b = int(batch.batch_size[0]) if batch.batch_dims else next(iter(tree.leaves(batch))).shape[0]
-    return torch.arange(b, dtype=torch.int64)
+    leaves = tree.leaves(batch)
+    b = int(batch.batch_size[0]) if batch.batch_dims else leaves[0].shape[0]
+    device = batch.device or (leaves[0].device if leaves else None)
+    return torch.arange(b, dtype=torch.int64, device=device)  # on the batch's device
 
 
 def batch_cond(batch: TensorDictBase, keys: Sequence[str]) -> dict[str, torch.Tensor]:

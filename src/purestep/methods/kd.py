@@ -381,8 +381,8 @@ def generate_trajectories(
         if max_chunks is not None and made >= max_chunks:
             break
         lo, hi = c * chunk_size, min(num_samples, (c + 1) * chunk_size)
-        idx = torch.arange(lo, hi, dtype=torch.int64)
-        noise = rng.normal(noise_key, (hi - lo, *sample_shape), index=idx, dtype=dtype, device=dev)
+        idx = torch.arange(lo, hi, dtype=torch.int64, device=dev)
+        noise = rng.normal(noise_key, (hi - lo, *sample_shape), index=idx, dtype=dtype)
         c_cond = {k: v[lo:hi].to(dev) for k, v in cond.items()}
         null = (
             flow.null_condition(c_cond, null_cond)
@@ -403,7 +403,7 @@ def generate_trajectories(
         record = {
             "x_t": traj[record_at].transpose(0, 1).contiguous().cpu(),
             "x0": x0.contiguous().cpu(),
-            "sample": idx,
+            "sample": idx.cpu(),
             "cond": {k: v.cpu() for k, v in c_cond.items()},
         }
         _atomic_save(record, path)
@@ -490,15 +490,16 @@ def batches(
     n = int(data.batch_size[0])
     if not 1 <= batch_size <= n:
         raise ValueError(f"kd.batches: batch_size must be in [1, {n}], got {batch_size}")
+    leaves = tree.leaves(data)
+    dev = data.device or (leaves[0].device if leaves else None)  # order and ids live with the data
     epoch = 0
     while True:
-        perm = rng.randperm(rng.fold_in(key, epoch), n)
+        perm = rng.randperm(rng.fold_in(key, epoch), n, device=dev)
         stop = n - batch_size + 1 if drop_last else n
         for start in range(0, stop, batch_size):
             rows = perm[start : start + batch_size]
             out = data[rows]
-            out.set(
-                "index", epoch * n + torch.arange(start, start + rows.shape[0], dtype=torch.int64)
-            )
+            ids = torch.arange(start, start + rows.shape[0], dtype=torch.int64, device=dev)
+            out.set("index", ids.add_(epoch * n))
             yield out
         epoch += 1

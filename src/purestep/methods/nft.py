@@ -350,10 +350,11 @@ def sample(
     first = tree.leaves(params)[0]
     dt = first.dtype if dtype is None else dtype
     dev = first.device if device is None else torch.device(device)
-    pos = torch.arange(p, dtype=torch.int64).repeat_interleave(group_size)
-    prompt_ids = td.get("index").to("cpu")[pos]
-    ids = prompt_ids * group_size + torch.arange(group_size, dtype=torch.int64).repeat(p)
-    repeated = td.exclude("index")[pos]
+    prompt_ids = td.get("index")  # ids and positions on the prompts' device: no host sync
+    rank = torch.arange(p * group_size, dtype=torch.int64, device=prompt_ids.device)
+    pos = rank.div(group_size, rounding_mode="floor")  # p, repeated group_size times
+    ids = prompt_ids[pos] * group_size + rank.remainder_(group_size)
+    repeated = td.exclude("index")[pos].to(dev)  # the model's conditions, where it runs
     noise = rng.normal(key, (p * group_size, *sample_shape), dtype=dt, device=dev, index=ids)
     x0 = flow.sample(
         model,
@@ -709,8 +710,9 @@ class NFTStep:
         )
         perm_key = rng.fold_in(state.get("rng"), state.get("step"), PERM)
         metrics: list[TensorDict] = []
+        data_device = data.get("x0").device  # the order is drawn where the rollouts are
         for epoch in range(self.inner_epochs):
-            perm = rng.randperm(rng.fold_in(perm_key, epoch), n)
+            perm = rng.randperm(rng.fold_in(perm_key, epoch), n, device=data_device)
             for start in range(0, n, mb):
                 view, m = self.inner(view, data[perm[start : start + mb]])
                 metrics.append(m)
