@@ -29,6 +29,16 @@ purestep takes and the public one it would otherwise take, for the same work:
   per tensor vs the default zip format (what stock DCP writes), all leaves of
   the model plus AdamW state.
 
+Then whole steps, A/B: the same ``train_step`` with one group of private paths
+switched off by monkeypatching purestep (nothing else changes), so calls made
+several times per step are all counted:
+
+* ``tensordict private API off``: the ``tree`` walkers take the public
+  TensorDict API (``values``, ``apply``) and ``tree.plain_td`` the checked
+  ``TensorDict(...)`` constructor (``_with_roles`` still reads ``_tensordict``);
+* ``fast swap off``: ``call`` swaps with ``params.to_module`` (no
+  ``_parameters`` slot writes, no ``_global_parameter_registration_hooks``).
+
 The last column puts the difference into proportion: (public - private) as a
 percentage of one purestep ``train_step(donate=True)`` on that model, measured
 in the same process (for the checkpoint row, of one save of all records).
@@ -43,11 +53,12 @@ Example:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +71,7 @@ from step import LR, WEIGHT_DECAY, build, mse
 
 import purestep
 from purestep import optim, tree
+from purestep.step import _swap
 from purestep.step._swap import swapped
 
 Fn = Callable[[], Any]
@@ -119,6 +131,44 @@ def _adam_fns(params: TensorDict) -> dict[str, Fn]:
     }
 
 
+@contextlib.contextmanager
+def _patched(obj: Any, **attrs: Any) -> Iterator[None]:
+    old = {k: getattr(obj, k) for k in attrs}
+    for k, v in attrs.items():
+        setattr(obj, k, v)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            setattr(obj, k, v)
+
+
+def _public_tensordict() -> contextlib.AbstractContextManager[None]:
+    """``tree`` without ``_tensordict`` walks and ``_new_unsafe`` (its generic paths)."""
+    return _patched(
+        tree,
+        _collect_leaves=lambda td, out: False,
+        _collect_items=lambda td, prefix, keys, vals: False,
+        _first_plain=lambda td: (False, None),
+        _map_plain=lambda like, fn, out: None,
+        _same_structure=lambda a, b, check_shapes: False,
+        plain_td=lambda items, batch_size=(): TensorDict(items, batch_size),
+    )
+
+
+def _public_swap() -> contextlib.AbstractContextManager[None]:
+    """``swapped`` always deferring to ``params.to_module``."""
+    return _patched(_swap, _plan=lambda params, module, out, seen: False)
+
+
+def _with(ctx: Callable[[], contextlib.AbstractContextManager[None]], fn: Fn) -> Fn:
+    def run() -> None:
+        with ctx():
+            fn()
+
+    return run
+
+
 def rows_for(case: str, rounds: int) -> list[tuple[str, str, float, float, float]]:
     """(what, variant, µs, ratio to the private variant, % of a step) rows for one model."""
     model, batch = build(case)
@@ -135,7 +185,16 @@ def rows_for(case: str, rounds: int) -> list[tuple[str, str, float, float, float
     def ps_step() -> None:
         holder[0], _ = train(holder[0], batch)
 
-    step_us = _time({"step": ps_step}, rounds, 5)["step"]
+    whole = _time(
+        {
+            "all private paths on": ps_step,
+            "tensordict private API off": _with(_public_tensordict, ps_step),
+            "fast swap off (to_module)": _with(_public_swap, ps_step),
+        },
+        rounds,
+        5,
+    )
+    step_us = whole["all private paths on"]
     leaves = tree.leaves(params)
     grads = [torch.randn_like(t) for t in leaves]
     ema = [t.clone() for t in leaves]
@@ -216,7 +275,10 @@ def rows_for(case: str, rounds: int) -> list[tuple[str, str, float, float, float
         base = next(iter(got.values()))
         for name, us in got.items():
             out.append((what, name, us, us / base, 100 * (us - base) / step_us))
-    out.append(("one train_step(donate=True)", "purestep", step_us, 1.0, 100.0))
+    for name, us in whole.items():
+        out.append(
+            ("one train_step(donate=True)", name, us, us / step_us, 100 * (us - step_us) / step_us)
+        )
     out += _record_rows(holder[0], rounds)
     return out
 
