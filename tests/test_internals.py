@@ -607,6 +607,55 @@ def test_dcp_reads_purestep_records_and_purestep_reads_dcp_records(tmp_path: Pat
                 )
 
 
+# --- the canaries themselves ------------------------------------------------------------------
+
+
+class _IgnoresWrites(dict):  # type: ignore[type-arg]
+    def __setitem__(self, key: object, value: object) -> None:
+        pass
+
+
+_BROKEN = {
+    "a no-op fused kernel": (
+        (torch, "_fused_sgd_", lambda *a, **k: None),
+        lambda: test_fused_sgd_kernel_equals_torch_optim_fused_and_the_foreach_reference(
+            0.9, 0.0, False, 0.01
+        ),
+        "[torch._fused_sgd_] changed behaviour",
+    ),
+    "an alias check that says yes to copies": (
+        (torch._C, "_is_alias_of", lambda a, b: True),
+        test_is_alias_of_means_shares_storage,
+        "[torch._C._is_alias_of] changed behaviour",
+    ),
+    "a hooks dict that no longer sees registrations": (
+        (nn.modules.module, "_global_parameter_registration_hooks", _IgnoresWrites()),
+        test_global_parameter_registration_hooks_dict_sees_public_registrations,
+        "[torch.nn.modules.module._global_parameter_registration_hooks] changed behaviour",
+    ),
+    "a removed foreach op": (
+        (torch, "_foreach_lerp_", None),
+        lambda: test_foreach_op_equals_the_per_tensor_op("_foreach_lerp_", torch.float32),
+        "[torch._foreach_lerp_] is gone",
+    ),
+}
+
+
+@pytest.mark.parametrize("change", list(_BROKEN))
+def test_a_canary_fails_naming_its_internal_when_that_internal_changes(
+    change: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Simulated torch changes (patched for this test only) make the canary fail with the name."""
+    (owner, attr, replacement), canary, expected = _BROKEN[change]
+    if replacement is None:
+        monkeypatch.delattr(owner, attr)
+    else:
+        monkeypatch.setattr(owner, attr, replacement)
+    with pytest.raises(AssertionError) as failure:
+        canary()
+    assert str(failure.value).startswith(expected), str(failure.value)
+
+
 # --- the register itself -----------------------------------------------------------------------
 
 # Private names the source may use, found by pattern: torch attribute chains
