@@ -16,8 +16,9 @@ purestep takes and the public one it would otherwise take, for the same work:
   ``torch.optim.AdamW(fused=True)`` object built per step around the state's
   tensors (``.grad`` and ``optimizer.state`` filled in, then cleared): the only
   fully public way without keeping an optimizer object between steps;
-* the functional call's parameter swap: ``step._swap.swapped`` (writes
-  ``module.__dict__["_parameters"]`` directly) vs ``params.to_module(module)``;
+* the functional call's parameter swap: ``step._swap``'s ``plan_for`` /
+  ``swap`` / ``restore`` (writes ``module.__dict__["_parameters"]`` directly)
+  vs ``params.to_module(module)``;
 * leaf walks over the params tree: ``tree.leaves`` (``TensorDict._tensordict``)
   vs ``td.values(include_nested=True, leaves_only=True)``, and ``tree.rebuild``
   (``_tensordict`` + ``TensorDict._new_unsafe``) vs ``td.apply``;
@@ -36,8 +37,8 @@ several times per step are all counted:
 * ``tensordict private API off``: the ``tree`` walkers take the public
   TensorDict API (``values``, ``apply``) and ``tree.plain_td`` the checked
   ``TensorDict(...)`` constructor (``_with_roles`` still reads ``_tensordict``);
-* ``fast swap off``: ``call`` swaps with ``params.to_module`` (no
-  ``_parameters`` slot writes, no ``_global_parameter_registration_hooks``).
+* ``fast swap off``: ``call`` swaps with ``params.to_module``, the path it
+  takes when a global parameter-registration hook is installed.
 
 The last column puts the difference into proportion: (public - private) as a
 percentage of one purestep ``train_step(donate=True)`` on that model, measured
@@ -71,8 +72,7 @@ from step import LR, WEIGHT_DECAY, build, mse
 
 import purestep
 from purestep import optim, tree
-from purestep.step import _swap
-from purestep.step._swap import swapped
+from purestep.step import _call, _swap
 
 Fn = Callable[[], Any]
 
@@ -157,8 +157,8 @@ def _public_tensordict() -> contextlib.AbstractContextManager[None]:
 
 
 def _public_swap() -> contextlib.AbstractContextManager[None]:
-    """``swapped`` always deferring to ``params.to_module``."""
-    return _patched(_swap, _plan=lambda params, module, out, seen: False)
+    """``call`` taking its ``to_module`` path (as when a registration hook is installed)."""
+    return _patched(_call, _registration_hooks=lambda: {0: None})
 
 
 def _with(ctx: Callable[[], contextlib.AbstractContextManager[None]], fn: Fn) -> Fn:
@@ -200,8 +200,8 @@ def rows_for(case: str, rounds: int) -> list[tuple[str, str, float, float, float
     ema = [t.clone() for t in leaves]
 
     def swap_fast() -> None:
-        with swapped(model, params):
-            pass
+        plan = _swap.plan_for(model, params)
+        _swap.restore(plan, _swap.swap(plan, params), params)
 
     def swap_public() -> None:
         with params.to_module(model):
@@ -231,7 +231,10 @@ def rows_for(case: str, rounds: int) -> list[tuple[str, str, float, float, float
         ("AdamW update", _adam_fns(params), 10),
         (
             "parameter swap (enter + exit)",
-            {"swapped (_parameters slots)": swap_fast, "params.to_module": swap_public},
+            {
+                "step._swap plan/swap/restore (slot dicts)": swap_fast,
+                "params.to_module": swap_public,
+            },
             50,
         ),
         (

@@ -13,6 +13,7 @@ All of this runs in a few seconds; none of it spawns a process.
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import inspect
 import io
@@ -111,29 +112,7 @@ def test_new_unsafe_builds_the_checked_constructors_tensordict_without_copying()
         assert list(fast.keys(include_nested=True)) == list(slow.keys(include_nested=True))
 
 
-def test_set_str_sets_an_entry_in_place_of_the_old_one() -> None:
-    """``TensorDictBase._set_str(key, v, inplace=False, validated=True, non_blocking=False)``."""
-    with internal("TensorDictBase._set_str"):
-        td, _, _ = _nested()
-        new = torch.ones(3)
-        td._set_str("b", new, inplace=False, validated=True, non_blocking=False)
-        assert td.get("b") is new, "the entry is not the given tensor"
-        assert list(td.keys()) == ["fc", "b"], "the key order changed"
-
-
-# --- torch: aliasing, version counters, nn.Module slots ----------------------------------------
-
-
-def test_is_alias_of_means_shares_storage() -> None:
-    """``torch._C._is_alias_of(a, b)``: True for views of one storage, False for copies."""
-    with internal("torch._C._is_alias_of"):
-        a = _rand(4, 4)
-        assert torch._C._is_alias_of(a, a)  # type: ignore[attr-defined]
-        assert torch._C._is_alias_of(a.detach(), a), "a detached view is not an alias"  # type: ignore[attr-defined]
-        assert torch._C._is_alias_of(a.view(16), a), "a reshaped view is not an alias"  # type: ignore[attr-defined]
-        assert torch._C._is_alias_of(a[1:], a), "an offset view is not an alias"  # type: ignore[attr-defined]
-        assert not torch._C._is_alias_of(a.clone(), a), "a copy is an alias"  # type: ignore[attr-defined]
-        assert not torch._C._is_alias_of(_rand(4, 4), a), "an unrelated tensor is an alias"  # type: ignore[attr-defined]
+# --- torch: version counters, nn.Module slots, torch.compile wrappers ----------------------------------------
 
 
 def test_version_counter_moves_on_in_place_ops_only() -> None:
@@ -151,24 +130,52 @@ def test_version_counter_moves_on_in_place_ops_only() -> None:
         assert t._version > v1, "an in-place foreach op did not move the version counter"
 
 
-def test_module_parameter_slots_are_what_attribute_access_and_forward_read() -> None:
-    """``module.__dict__["_parameters"]`` / ``["_modules"]`` hold what ``module.x`` returns."""
-    with internal('nn.Module.__dict__["_parameters"] / ["_modules"]'):
-        net = nn.Sequential(nn.Linear(2, 2))
-        children = net.__dict__["_modules"]
-        assert children["0"] is net[0], "_modules does not hold the children"
+def test_module_slot_dicts_are_what_attribute_access_and_forward_read() -> None:
+    """``module.__dict__["_parameters" | "_buffers" | "_modules" | "_non_persistent_buffers_set"]``.
+
+    They hold what ``module.x`` returns and what ``forward`` computes with, and
+    the set names exactly the buffers ``state_dict`` leaves out.
+    """
+    with internal(
+        'nn.Module.__dict__["_parameters" | "_buffers" | "_modules" | "_non_persistent_buffers_set"]'
+    ):
+        net = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
+        net[1].register_buffer("scratch", torch.zeros(2), persistent=False)
+        d = net.__dict__
+        assert d["_modules"]["0"] is net[0], "_modules does not hold the children"
         slots = net[0].__dict__["_parameters"]
         assert slots["weight"] is net[0].weight, "_parameters does not hold the parameters"
-        plain = torch.zeros(2, 2)
-        old = slots["weight"]
-        slots["weight"] = plain
+        bufs = net[1].__dict__["_buffers"]
+        assert bufs["running_mean"] is net[1].running_mean, "_buffers does not hold the buffers"
+        hidden = net[1].__dict__["_non_persistent_buffers_set"]
+        assert hidden == {"scratch"}, f"non-persistent set is {hidden}"
+        assert "1.scratch" not in net.state_dict() and "1.running_mean" in net.state_dict()
+        plain, mean = torch.zeros(2, 2), torch.full((2,), 5.0)
+        old_w, old_mean = slots["weight"], bufs["running_mean"]
+        slots["weight"], bufs["running_mean"] = plain, mean
         try:
             assert net[0].weight is plain, "attribute access does not read _parameters"
+            assert net[1].running_mean is mean, "attribute access does not read _buffers"
+            net.eval()
             out = net(torch.ones(1, 2))
-            assert torch.equal(out, net[0].bias.detach()[None]), "forward does not use the slot"
+            want = (net[0].bias.detach() - 5.0) / torch.sqrt(net[1].running_var + net[1].eps)
+            torch.testing.assert_close(out, want[None] * net[1].weight + net[1].bias)
         finally:
-            slots["weight"] = old
-        assert nn.Module.__setattr__ is type(net[0]).__setattr__
+            slots["weight"], bufs["running_mean"] = old_w, old_mean
+
+
+def test_compile_wrapper_keeps_the_module_under_orig_mod() -> None:
+    """``torch._dynamo.eval_frame.OptimizedModule`` wraps the module as ``_modules["_orig_mod"]``."""
+    with internal("torch._dynamo.eval_frame.OptimizedModule._orig_mod"):
+        lin = nn.Linear(2, 2)
+        compiled = torch.compile(lin)  # builds the wrapper; nothing is compiled until called
+        import sys
+
+        eval_frame = sys.modules["torch._dynamo.eval_frame"]
+        assert isinstance(compiled, eval_frame.OptimizedModule), type(compiled).__name__
+        assert compiled.__dict__["_modules"]["_orig_mod"] is lin, "not under _orig_mod"
+        names = [n for n, _ in compiled.named_parameters()]
+        assert names == ["_orig_mod.weight", "_orig_mod.bias"], names
 
 
 def test_global_parameter_registration_hooks_dict_sees_public_registrations() -> None:
@@ -186,24 +193,6 @@ def test_global_parameter_registration_hooks_dict_sees_public_registrations() ->
         finally:
             handle.remove()
         assert len(hooks) == before, "removing the handle did not empty the dict"
-
-
-def test_extra_state_key_suffix_is_the_extra_state_name() -> None:
-    """``nn.modules.module._EXTRA_STATE_KEY_SUFFIX`` names ``get_extra_state``'s key."""
-    from torch.nn.modules import module as torch_module
-
-    with internal("torch.nn.modules.module._EXTRA_STATE_KEY_SUFFIX"):
-        suffix = getattr(torch_module, "_EXTRA_STATE_KEY_SUFFIX", "_extra_state")
-        assert suffix == "_extra_state", f"the suffix is now {suffix!r}"
-
-        class WithExtra(nn.Module):
-            def get_extra_state(self) -> int:
-                return 1
-
-            def set_extra_state(self, state: object) -> None:
-                pass
-
-        assert list(WithExtra().state_dict()) == [suffix]
 
 
 # --- torch: optimizer kernels ------------------------------------------------------------------
@@ -335,9 +324,9 @@ def test_cpu_fused_sgd_half_precision_bug_is_worked_around_where_present(
     """Where the CPU fp16/bf16 ``_fused_sgd_`` bug is present, purestep does not call it.
 
     Skips, saying so, on a torch that has fixed it (the workaround in
-    ``optim._hparams.fused_supported`` could then be narrowed to older torch).
+    ``optim._kernels.fused_supported`` could then be narrowed to older torch).
     """
-    from purestep.optim._hparams import fused_supported
+    from purestep.optim._kernels import fused_supported
 
     with internal("torch._fused_sgd_ (CPU fp16/bf16 workaround)"):
         broken = _cpu_fused_sgd_half_is_wrong(dtype)
@@ -367,6 +356,10 @@ _FOREACH_CASES = {
         lambda a, b: torch._foreach_add_(a, 1e-8) or a,
         lambda a, b: [x.add_(1e-8) for x in a],
     ),
+    "_foreach_sub_": (
+        lambda a, b: torch._foreach_sub_(a, b) or a,
+        lambda a, b: [x.sub_(y) for x, y in zip(a, b, strict=True)],
+    ),
     "_foreach_copy_": (
         lambda a, b: torch._foreach_copy_(a, b) or a,
         lambda a, b: [x.copy_(y) for x, y in zip(a, b, strict=True)],
@@ -379,17 +372,9 @@ _FOREACH_CASES = {
         lambda a, b: torch._foreach_lerp_(a, b, 0.1) or a,
         lambda a, b: [x.lerp_(y, 0.1) for x, y in zip(a, b, strict=True)],
     ),
-    "_foreach_mul": (
-        lambda a, b: torch._foreach_mul(a, -0.25),
-        lambda a, b: [x.mul(-0.25) for x in a],
-    ),
     "_foreach_mul_": (
         lambda a, b: torch._foreach_mul_(a, 0.9) or a,
         lambda a, b: [x.mul_(0.9) for x in a],
-    ),
-    "_foreach_div": (
-        lambda a, b: torch._foreach_div(a, [y.abs() + 1 for y in b]),
-        lambda a, b: [x.div(y.abs() + 1) for x, y in zip(a, b, strict=True)],
     ),
     "_foreach_div_": (
         lambda a, b: torch._foreach_div_(a, 1.7) or a,
@@ -441,7 +426,7 @@ def test_foreach_op_equals_the_per_tensor_op(op: str, dtype: torch.dtype) -> Non
 def test_foreach_mul_applies_a_tensor_scalar_at_the_ops_math_precision() -> None:
     """``_foreach_mul_(bf16 list, float64 0-dim tensor)`` does not round the factor to bf16.
 
-    ``optim._hparams.foreach_mul_`` passes CPU factors as such tensors because a
+    ``optim._kernels.foreach_mul_`` passes CPU factors as such tensors because a
     Python float *is* rounded to bf16 first (``1 - 1e-4`` becomes 1.0).
     """
     with internal("torch._foreach_mul_ (tensor scalar)"):
@@ -529,7 +514,7 @@ def test_narrow_tensor_by_index_is_a_chain_of_narrows() -> None:
         t = _rand(6, 5)
         got = narrow_tensor_by_index(t, [2, 1], [3, 4])
         assert torch.equal(got, t[2:5, 1:5]), "not t[2:5, 1:5]"
-        assert torch._C._is_alias_of(got, t), "not a view"  # type: ignore[attr-defined]
+        assert got.untyped_storage().data_ptr() == t.untyped_storage().data_ptr(), "not a view"
         assert torch.equal(narrow_tensor_by_index(t, [0, 0], [6, 5]), t)
 
 
@@ -610,6 +595,12 @@ def test_dcp_reads_purestep_records_and_purestep_reads_dcp_records(tmp_path: Pat
 # --- the canaries themselves ------------------------------------------------------------------
 
 
+def _eval_frame() -> object:
+    import torch._dynamo.eval_frame
+
+    return torch._dynamo.eval_frame
+
+
 class _IgnoresWrites(dict):  # type: ignore[type-arg]
     def __setitem__(self, key: object, value: object) -> None:
         pass
@@ -623,10 +614,10 @@ _BROKEN = {
         ),
         "[torch._fused_sgd_] changed behaviour",
     ),
-    "an alias check that says yes to copies": (
-        (torch._C, "_is_alias_of", lambda a, b: True),
-        test_is_alias_of_means_shares_storage,
-        "[torch._C._is_alias_of] changed behaviour",
+    "a renamed compile wrapper": (
+        (_eval_frame(), "OptimizedModule", None),
+        test_compile_wrapper_keeps_the_module_under_orig_mod,
+        "[torch._dynamo.eval_frame.OptimizedModule._orig_mod] is gone",
     ),
     "a hooks dict that no longer sees registrations": (
         (nn.modules.module, "_global_parameter_registration_hooks", _IgnoresWrites()),
@@ -658,42 +649,75 @@ def test_a_canary_fails_naming_its_internal_when_that_internal_changes(
 
 # --- the register itself -----------------------------------------------------------------------
 
-# Private names the source may use, found by pattern: torch attribute chains
-# (torch._x, torch.nn.modules.module._x), private imports, string attribute
-# lookups, and the tensordict / tensor attributes purestep reads directly.
-_TORCH_CHAIN = re.compile(r"\btorch((?:\.\w+)+)")
-_PATTERNS = [
-    re.compile(r"^\s+(_[A-Za-z]\w*),?$", re.MULTILINE),  # names in a multi-line private import
-    re.compile(r"^from\s+torch[\w.]*\s+import\s+(_[A-Za-z]\w*)"),
-    re.compile(r"getattr\(\w+,\s*\"(_[A-Za-z]\w*)\""),
-    re.compile(r"__dict__\[\"(_[A-Za-z]\w*)\"\]"),
-    re.compile(r"\.(_tensordict|_new_unsafe|_set_str|_device|_batch_size|_version)\b"),
-    re.compile(r"\b(_use_new_zipfile_serialization)\b"),
-]
+# Private names the source may use, found in its syntax tree: attributes read on
+# objects other than self/cls (``td._tensordict``, ``torch._fused_sgd_``), private
+# string keys (``d["_parameters"]``, ``getattr(m, "_is_fsdp_managed_module")``),
+# private segments of dotted torch paths (imports, ``"torch._dynamo.eval_frame"``),
+# private names imported from torch, and private keyword arguments
+# (``_use_new_zipfile_serialization=``). Names purestep defines itself (functions,
+# classes, modules, its own attributes and module constants) are not internals.
+_TORCH_PATH = re.compile(r"\btorch(?:\.\w+)+")
+_STDLIB_BASES = {"os", "sys"}  # os._exit and the like are not torch's
+
+
+def _own_names(files: list[Path]) -> tuple[set[str], set[str]]:
+    """(names purestep defines, attribute names it sets or keeps on its own objects)."""
+    defined: set[str] = set()
+    attrs: set[str] = set()
+    for path in files:
+        defined.add(path.stem)
+        module = ast.parse(path.read_text())
+        for node in ast.walk(module):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                defined.add(node.name)
+            elif isinstance(node, ast.Attribute) and (
+                isinstance(node.ctx, ast.Store)
+                or (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))
+            ):
+                attrs.add(node.attr)
+            elif isinstance(node, ast.ImportFrom) and (
+                node.level > 0 or (node.module or "").startswith("purestep")
+            ):
+                defined.update((a.asname or a.name) for a in node.names)
+        for stmt in module.body:  # module-level constants
+            targets = (
+                stmt.targets if isinstance(stmt, ast.Assign) else [getattr(stmt, "target", None)]
+            )
+            defined.update(t.id for t in targets if isinstance(t, ast.Name))
+    return defined, attrs
+
+
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__") and len(name) > 1
 
 
 def _private_names_in_src() -> dict[str, set[str]]:
+    files = sorted((ROOT / "src" / "purestep").rglob("*.py"))
+    defined, attrs = _own_names(files)
+    stems = {p.stem for p in files}
     found: dict[str, set[str]] = {}
-    for path in sorted((ROOT / "src" / "purestep").rglob("*.py")):
-        in_torch_import = False
-        for line in path.read_text().splitlines():
-            stripped = line.strip()
-            if stripped.startswith(("from torch", "import torch")):
-                in_torch_import = stripped.endswith("(")
-            elif in_torch_import and stripped.startswith(")"):
-                in_torch_import = False
-            names = [
-                seg
-                for m in _TORCH_CHAIN.finditer(line)
-                for seg in m.group(1).split(".")
-                if seg.startswith("_") and not seg.startswith("__")
-            ]
-            for i, pat in enumerate(_PATTERNS):
-                if i == 0 and not in_torch_import:
+    for path in files:
+        text = path.read_text()
+        names: list[str] = []
+        for chain in _TORCH_PATH.findall(text):
+            names += [seg for seg in chain.split(".") if _is_private(seg)]
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.Attribute) and _is_private(node.attr):
+                base = node.value.id if isinstance(node.value, ast.Name) else None
+                if base in {"self", "cls", *_STDLIB_BASES} or node.attr in attrs:
                     continue
-                names += [m.group(1) for m in pat.finditer(line)]
-            for name in names:
-                found.setdefault(name, set()).add(str(path.relative_to(ROOT)))
+                if base in stems and node.attr in defined:  # one purestep module's private name
+                    continue
+                names.append(node.attr)
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+                if re.fullmatch(r"_[A-Za-z]\w*", node.value) and node.value not in attrs:
+                    names.append(node.value)
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torch"):
+                names += [a.name for a in node.names if _is_private(a.name)]
+            elif isinstance(node, ast.keyword) and node.arg and _is_private(node.arg):
+                names.append(node.arg)
+        for name in names:
+            found.setdefault(name, set()).add(str(path.relative_to(ROOT)))
     return found
 
 
@@ -701,7 +725,8 @@ def test_register_lists_every_private_name_the_source_uses() -> None:
     """Every private torch/tensordict name found in ``src/purestep`` appears in docs/internals.md."""
     register = REGISTER.read_text()
     found = _private_names_in_src()
-    assert "_fused_adamw_" in found and "_tensordict" in found, "the scanner found nothing"
+    for expected in ("_fused_adamw_", "_tensordict", "_parameters", "_StorageInfo", "_shard"):
+        assert expected in found, f"the scanner missed {expected}: {sorted(found)}"
     missing = {n: sorted(files) for n, files in found.items() if n not in register}
     assert not missing, (
         "private internals used in src/ but not in docs/internals.md (add an entry and a "
