@@ -16,11 +16,11 @@ from typing import Any
 import pytest
 import torch
 from tensordict import TensorDict, TensorDictBase
-from tests._imperative import assert_same_as_imperative, mse, randn, regression_batches
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import purestep as ps
+from _imperative import assert_same_as_imperative, mse, randn, regression_batches
 from purestep import testing
 
 BATCHES = regression_batches(4, 4, 6, 6)
