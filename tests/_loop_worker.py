@@ -30,6 +30,7 @@ from tensordict import TensorDict
 
 import purestep as ps
 from purestep import loop, rng
+from purestep.distributed import _ckpt_fs
 from purestep.distributed import checkpoint as ckpt
 
 NUM_BATCHES = 7  # not a divisor of the run lengths: passes end mid-interval
@@ -171,7 +172,7 @@ def main() -> None:
         return real_save(state, path, **kw)
 
     ckpt.save = save  # type: ignore[assignment]
-    real_rename = os.rename
+    real_rename = _ckpt_fs.rename_noreplace
     renames = 0
 
     def rename(src: Any, dst: Any) -> None:
@@ -183,7 +184,7 @@ def main() -> None:
                 time.sleep(60)
         real_rename(src, dst)
 
-    os.rename = rename  # type: ignore[assignment]
+    _ckpt_fs.rename_noreplace = rename  # type: ignore[assignment]
 
     step, state = build(args.num_steps)
     final = loop.run(

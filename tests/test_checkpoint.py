@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import random
@@ -22,6 +23,7 @@ from tensordict import TensorDict, TensorDictBase
 
 import purestep
 from purestep import checkpoint as alias
+from purestep.distributed import _ckpt_write
 from purestep.distributed import checkpoint as ckpt
 
 DTYPES = [
@@ -29,8 +31,17 @@ DTYPES = [
     torch.float64,
     torch.float16,
     torch.bfloat16,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+    torch.complex64,
+    torch.complex128,
     torch.int64,
     torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint64,
+    torch.uint32,
+    torch.uint16,
     torch.uint8,
     torch.bool,
 ]
@@ -191,19 +202,35 @@ def test_like_mismatch_lists_every_bad_key_in_one_message(tmp_path: Path) -> Non
 
 
 def test_loading_a_non_checkpoint_fails_clearly(tmp_path: Path) -> None:
-    """Empty, missing, scratch and markerless directories are not checkpoints."""
+    """Empty, missing, foreign, old-format and markerless directories are not checkpoints; each
+    error is a CheckpointError subclass that also is the matching builtin exception."""
     like = _train_state()
     (tmp_path / "empty").mkdir()
     with pytest.raises(
-        FileNotFoundError, match=r"not a purestep checkpoint: .*empty \(no metadata\.json\)"
-    ):
+        ckpt.CheckpointNotFoundError, match=r"not a purestep checkpoint: .*empty \(no metadata"
+    ) as info:
         ckpt.load(tmp_path / "empty", like=like)
-    with pytest.raises(FileNotFoundError, match="not a purestep checkpoint"):
+    assert isinstance(info.value, FileNotFoundError)
+    assert info.value.path == tmp_path / "empty"
+    with pytest.raises(ckpt.CheckpointNotFoundError, match="no such directory"):
         ckpt.load(tmp_path / "nowhere", like=like)
-    (tmp_path / "half").mkdir()
-    (tmp_path / "half" / "metadata.json").write_text(json.dumps({"format": "purestep.checkpoint"}))
-    with pytest.raises(ValueError, match="incomplete purestep checkpoint"):
-        ckpt.load(tmp_path / "half", like=like)
+    (tmp_path / "foreign").mkdir()
+    (tmp_path / "foreign" / "metadata.json").write_text(json.dumps({"format": "other"}))
+    with pytest.raises(ckpt.CheckpointFormatError, match="not a purestep checkpoint"):
+        ckpt.load(tmp_path / "foreign", like=like)
+    (tmp_path / "v1").mkdir()
+    v1 = {"format": "purestep.checkpoint", "format_version": 1, "complete": True}
+    (tmp_path / "v1" / "metadata.json").write_text(json.dumps(v1))
+    with pytest.raises(ckpt.CheckpointFormatError, match=r"format version 1.*before checksums"):
+        ckpt.load(tmp_path / "v1", like=like)
+    ckpt.save(_small(1), tmp_path / "half")
+    md = json.loads((tmp_path / "half" / "metadata.json").read_text())
+    del md["complete"]
+    (tmp_path / "half" / "metadata.json").write_text(json.dumps(md))
+    with pytest.raises(ckpt.CheckpointCorruptError, match="does not match its own checksum"):
+        ckpt.load(tmp_path / "half", like=_small(0))
+    for name in ["empty", "nowhere", "foreign", "v1", "half"]:
+        assert not ckpt.is_complete(tmp_path / name)
 
 
 def test_metadata_json_describes_the_checkpoint(tmp_path: Path) -> None:
@@ -347,17 +374,19 @@ def test_a_failed_save_leaves_no_checkpoint_and_no_scratch(
     ckpt.save(_small(1), tmp_path / "a")
 
     def broken(*args: Any) -> None:
-        raise OSError("disk full (simulated)")
+        raise OSError(errno.ENOSPC, "No space left on device (simulated)")
 
-    monkeypatch.setattr(ckpt, "_write_metadata", broken)
+    monkeypatch.setattr(_ckpt_write, "write_metadata", broken)
 
     def save_and_wait() -> None:
         handle = ckpt.save(_small(2), tmp_path / "b", async_=async_)
         if handle is not None:
             handle.wait()
 
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(ckpt.CheckpointWriteError, match="No space left") as info:
         save_and_wait()
+    assert isinstance(info.value.__cause__, OSError)
+    assert info.value.__cause__.errno == errno.ENOSPC
     ckpt.wait_pending()  # the failure was consumed; nothing left pending
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a"]
     assert ckpt.latest(tmp_path) == tmp_path / "a"
