@@ -95,6 +95,8 @@ class HashingWriter:
     def __init__(self, f: Any) -> None:
         self._f = f
         self._h = hasher()
+        self.error: OSError | None = None
+        """The last ``OSError`` a write raised (torch's zip writer replaces it with its own error)."""
 
     def start(self) -> None:
         """Begin a new record: reset the hash."""
@@ -110,14 +112,14 @@ class HashingWriter:
         if mv.format != "B" or mv.ndim != 1:
             mv = mv.cast("B")
         n = mv.nbytes
-        if n <= CHUNK:
-            self._f.write(mv)
-            self._h.update(mv)
-            return n
-        for i in range(0, n, CHUNK):
-            piece = mv[i : i + CHUNK]
-            self._f.write(piece)
-            self._h.update(piece)
+        try:
+            for i in range(0, max(n, 1), CHUNK):
+                piece = mv[i : i + CHUNK]
+                self._f.write(piece)
+                self._h.update(piece)
+        except OSError as e:
+            self.error = e
+            raise
         return n
 
     def flush(self) -> None:

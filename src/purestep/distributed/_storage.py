@@ -225,7 +225,12 @@ class RecordWriter(FileSystemWriter):
                     raise TypeError(f"unexpected loader item {obj!r}")
                 out.start()
                 offset = f.tell()
-                length = write_record(tensor, out)
+                try:
+                    length = write_record(tensor, out)
+                except Exception as e:
+                    if out.error is not None and out.error is not e:  # keep the OSError (errno)
+                        raise out.error from e
+                    raise
                 written.append((item, offset, length, record_layout(tensor.dtype), out.hexdigest()))
             size = f.tell()
             f.flush()
@@ -337,11 +342,13 @@ class RecordReader(FileSystemReader):
         *,
         integrity: Mapping[str, Any] | None = None,
         verify: bool = True,
+        dcp_metadata: bytes | None = None,
     ) -> None:
         super().__init__(path)
         self.checkpoint = Path(path)
         self._md = integrity
         self.verify = verify
+        self._dcp_metadata = dcp_metadata
         self._records: dict[tuple[str, tuple[int, ...]], RecordInfo] | None = None
         if integrity is not None:
             self._records = {(r.key, r.chunk): r for r in records(integrity)}
@@ -349,10 +356,19 @@ class RecordReader(FileSystemReader):
         self._chunks: dict[tuple[str, tuple[int, ...]], tuple[torch.Size, torch.dtype]] = {}
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        """DCP's metadata; with ``integrity`` and ``verify``, checked before it is unpickled."""
-        if self._md is None or not self.verify:
+        """DCP's metadata; with ``integrity`` and ``verify``, checked before it is unpickled.
+
+        (DCP swallows an error raised here into an ``AssertionError``, so
+        :func:`purestep.checkpoint.load` verifies ``.metadata`` first and passes
+        its bytes as ``dcp_metadata``.)
+        """
+        if self._dcp_metadata is not None:
+            data = self._dcp_metadata
+        elif self._md is None or not self.verify:
             return super().read_metadata(*args, **kwargs)
-        metadata = pickle.loads(verify_metadata_file(self.checkpoint, self._md))
+        else:
+            data = verify_metadata_file(self.checkpoint, self._md)
+        metadata = pickle.loads(data)
         if not isinstance(metadata, Metadata):
             raise CheckpointCorruptError(
                 f"checkpoint {self.checkpoint} is damaged: {DCP_METADATA} holds a "

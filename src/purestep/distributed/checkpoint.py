@@ -351,8 +351,9 @@ def save(
 # -- load ----------------------------------------------------------------------------------
 
 
-def _check(path: Path, like: TensorDictBase, expected_of: Any, what: str) -> Any:
-    """Metadata, file sizes and the key match, before any collective of DCP's; returns (md, flat)."""
+def _check(path: Path, like: TensorDictBase, expected_of: Any, what: str, verify: bool) -> Any:
+    """Metadata, file sizes, the key match and ``.metadata``'s checksum, before any of DCP's
+    collectives; returns ``(md, flat_like, .metadata bytes or None)``."""
     md = read_metadata(path)
     found = file_problem(path, md)
     if found is not None:
@@ -363,7 +364,8 @@ def _check(path: Path, like: TensorDictBase, expected_of: Any, what: str) -> Any
     err = mismatch(path, expected_of(md), describe(flat_like), what)
     if err is not None:
         raise err
-    return md, flat_like
+    dcp_md = verify_metadata_file(path, md) if verify else None
+    return md, flat_like, dcp_md
 
 
 def _prepare(
@@ -374,12 +376,13 @@ def _prepare(
     what: str,
     donate: bool,
     verify: bool,
-) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+) -> tuple[dict[str, Any], dict[str, torch.Tensor], bytes | None]:
     problem: CheckpointError | None = None
     md: dict[str, Any] = {}
     flat_like: dict[str, torch.Tensor] = {}
+    dcp_md: bytes | None = None
     try:
-        md, flat_like = _check(path, like, expected_of, what)
+        md, flat_like, dcp_md = _check(path, like, expected_of, what, verify)
     except CheckpointError as e:
         problem = e
     _raise_agreed(group, problem, f"loading checkpoint {path}")
@@ -389,7 +392,7 @@ def _prepare(
         except CheckpointError as e:
             problem = e
         _raise_agreed(group, problem, f"loading checkpoint {path}")
-    return md, flat_like
+    return md, flat_like, dcp_md
 
 
 def _load_flat(
@@ -399,6 +402,7 @@ def _load_flat(
     donate: bool,
     md: Mapping[str, Any],
     verify: bool,
+    dcp_md: bytes | None,
 ) -> dict[str, torch.Tensor]:
     dst = flat_like if donate else {k: torch.empty_like(v) for k, v in flat_like.items()}
     if not dst:
@@ -408,13 +412,15 @@ def _load_flat(
         with torch.no_grad():
             dcp_load(
                 dst,
-                storage_reader=RecordReader(path, integrity=md, verify=verify),
+                storage_reader=RecordReader(path, integrity=md, verify=verify, dcp_metadata=dcp_md),
                 process_group=group,
                 no_dist=group is None,
             )
     except CheckpointException as e:
         found = from_dcp(e, path, CheckpointReadError, "loading")
-        raise found from e
+        if isinstance(found, CheckpointError):
+            raise found from found.__cause__
+        raise found from e  # this rank was interrupted (KeyboardInterrupt, SystemExit)
     except CheckpointError:
         raise
     except Exception as e:
@@ -476,8 +482,8 @@ def load(
     wait_pending()
     p = Path(path)
     group = _group()
-    md, flat_like = _prepare(p, like, group, lambda md: md["keys"], "state", donate, verify)
-    dst = _load_flat(group, p, flat_like, donate, md, verify)
+    md, flat_like, dcp_md = _prepare(p, like, group, lambda md: md["keys"], "state", donate, verify)
+    dst = _load_flat(group, p, flat_like, donate, md, verify, dcp_md)
     if donate:
         return like
     return tree.rebuild(like, list(dst.values()))
@@ -521,10 +527,11 @@ def load_per_rank(
             )
         return md.get("per_rank_keys", {}).get(str(rank), {})
 
-    md, flat_like = _prepare(
+    md, flat_like, dcp_md = _prepare(
         p, like, group, expected, f"per-rank values of rank {rank}", donate, verify
     )
-    dst = _load_flat(group, p, {prefix + k: v for k, v in flat_like.items()}, donate, md, verify)
+    flat = {prefix + k: v for k, v in flat_like.items()}
+    dst = _load_flat(group, p, flat, donate, md, verify, dcp_md)
     if donate:
         return like
     return tree.rebuild(like, list(dst.values()))
