@@ -387,6 +387,7 @@ def run(
                         phase[0] = f"while saving the checkpoint of step {s}"
                         save(root, state, stream, s, keep_last, async_=async_save and not final)
                         saved_at = s
+                    phase[0] = f"after step {s} (agreeing on stop signals)"
                     signum = stop.poll()
                     if signum and not final:
                         if buf and (record := take()):
