@@ -101,19 +101,22 @@ def read_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
             f"not a purestep checkpoint: {p} (no {METADATA_FILE})", path=p, file=METADATA_FILE
         )
     try:
-        text = f.read_bytes()
+        data = f.read_bytes()
     except OSError as e:
         raise CheckpointReadError(
             f"checkpoint {p}: cannot read {METADATA_FILE}: {e}", path=p, file=METADATA_FILE
         ) from e
+    unsealed = seal_problem(data)
+    if unsealed is not None and unsealed != "it has no checksum":
+        raise _corrupt(p, f"{METADATA_FILE}: {unsealed}")
     try:
-        md = json.loads(text)
+        md = json.loads(data)
     except ValueError as e:  # includes UnicodeDecodeError
         raise _corrupt(p, f"{METADATA_FILE} is not valid JSON ({e})") from e
     if not isinstance(md, dict):
         raise _corrupt(p, f"{METADATA_FILE} does not hold an object")
-    if "checksum" in md and (problem := seal_problem(md)) is not None:
-        raise _corrupt(p, f"{METADATA_FILE}: {problem}")
+    if unsealed is not None and "checksum" in md:  # a checksum, but not where purestep puts it
+        raise _corrupt(p, f"{METADATA_FILE}: its content does not match its own checksum")
     if md.get("format") != _FORMAT:
         raise CheckpointFormatError(
             f"not a purestep checkpoint: {p} ({METADATA_FILE} has no purestep format)",
@@ -134,7 +137,7 @@ def read_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
             path=p,
             file=METADATA_FILE,
         )
-    if "checksum" not in md:
+    if unsealed is not None:
         raise _corrupt(p, f"{METADATA_FILE} has no checksum")
     if md.get("complete") is not True:
         raise _corrupt(p, f"{METADATA_FILE} lacks the completion marker")

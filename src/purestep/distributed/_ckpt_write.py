@@ -11,7 +11,6 @@ removed whatever the exception (``BaseException`` too).
 from __future__ import annotations
 
 import datetime
-import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -120,8 +119,8 @@ def write_metadata(
             "complete": True,
         }
     )
-    with open(tmp / METADATA_FILE, "w") as fh:
-        fh.write(json.dumps(md, indent=1))
+    with open(tmp / METADATA_FILE, "wb") as fh:
+        fh.write(md)
         fh.flush()
         os.fsync(fh.fileno())
     _ckpt_fs.fsync_dir(tmp, strict=True)
