@@ -153,6 +153,41 @@ def distributed_run(
     return {"state": final, "preempted": None}
 
 
+def timeouts_seen(root: str) -> dict[str, float]:
+    """A task for ``WorkerPool``: the collective timeouts before, during and after
+    ``run(collective_timeout=7)`` (default group, and purestep's checkpoint group)."""
+    from purestep.distributed import _ckpt_group, timeouts
+
+    def seconds(group: Any = None) -> float:
+        t = timeouts.get_timeout(group)
+        assert t is not None
+        return t.total_seconds()
+
+    r = dist.get_rank()
+    seen = {"before": seconds()}
+    step, state = build(4, gather=True)
+
+    def eval_fn(s: Any) -> dict[str, float]:
+        seen["during"] = seconds()
+        seen["checkpoint group"] = seconds(_ckpt_group._group())
+        return {}
+
+    loop.run(
+        step,
+        state,
+        ShuffledData(make_batches()[r::2], seed=r),
+        num_steps=2,
+        checkpoint_dir=root,
+        save_every=1,
+        progress=False,
+        eval_fn=eval_fn,
+        eval_every=1,
+        collective_timeout=7,
+    )
+    seen["after"] = seconds()
+    return seen
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dir", required=True)

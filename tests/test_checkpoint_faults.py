@@ -19,7 +19,9 @@ Every fault below is injected into a real checkpoint and the outcome checked:
 * ``prune`` beside user directories whose names look like scratch names.
 
 The number of faults injected of each kind is printed at the end of the module
-(``fault injection: ...``) and appears in the test names.
+(``fault injection: ...``, about 700 in the default run) and appears in the
+test names. ``pytest -m slow tests/test_checkpoint_faults.py`` runs the long
+variants: 1000 bit flips per file and 200 writer races.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from tensordict import TensorDict, TensorDictBase
 from purestep import checkpoint as ckpt
 
 FLIPS_PER_FILE = 60
+SLOW_FLIPS_PER_FILE = 1000
 RANGES_PER_FILE = 30
 TRUNCATIONS_PER_FILE = 15
 FILES = ["__0_0.distcp", ".metadata", "metadata.json", ".purestep"]
@@ -202,6 +205,22 @@ def test_60_single_bit_flips_per_file_fail_verification_or_load_bitwise_equal(
 ) -> None:
     """Flip one bit anywhere in any file: detected (clear error naming the file, live state
     untouched) or, for bytes carrying no data, every load is bitwise equal."""
+    path = _copy(template, tmp_path_factory)
+    f = path / name
+    data = bytearray(f.read_bytes())
+    data[int(where * len(data))] ^= 1 << bit
+    f.write_bytes(bytes(data))
+    COUNTS[f"bit flips ({_outcome(path, name)})"] += 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", FILES)
+@_examples(SLOW_FLIPS_PER_FILE)
+@given(where=st.floats(0, 1, exclude_max=True), bit=st.integers(0, 7))
+def test_1000_single_bit_flips_per_file_fail_verification_or_load_bitwise_equal(
+    template: Path, tmp_path_factory: pytest.TempPathFactory, name: str, where: float, bit: int
+) -> None:
+    """The same property as the default run's, over 1000 flips per file (``pytest -m slow``)."""
     path = _copy(template, tmp_path_factory)
     f = path / name
     data = bytearray(f.read_bytes())
@@ -484,6 +503,14 @@ _RACE = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
+def test_200_races_of_two_writers_have_exactly_one_winner_and_replace_nothing(
+    tmp_path: Path,
+) -> None:
+    """The race below, 200 times (``pytest -m slow``)."""
+    _race(tmp_path, 200)
+
+
 def test_24_races_of_two_writers_have_exactly_one_winner_and_replace_nothing(
     tmp_path: Path,
 ) -> None:
@@ -491,8 +518,12 @@ def test_24_races_of_two_writers_have_exactly_one_winner_and_replace_nothing(
     a barrier just before publishing, so both pass the existence check): each time exactly one
     wins, the other gets CheckpointExistsError, the checkpoint holds the winner's values, and
     no scratch directory is left."""
+    _race(tmp_path, RACES)
+
+
+def _race(tmp_path: Path, races: int) -> None:
     proc = subprocess.run(
-        [sys.executable, "-c", _RACE, str(tmp_path), str(RACES)],
+        [sys.executable, "-c", _RACE, str(tmp_path), str(races)],
         capture_output=True,
         text=True,
         timeout=600,
@@ -503,7 +534,7 @@ def test_24_races_of_two_writers_have_exactly_one_winner_and_replace_nothing(
     for line in proc.stdout.splitlines():
         i, w, out = line.split(" ", 2)
         outcomes[int(i)][int(w)] = out
-    assert sorted(outcomes) == list(range(RACES)), proc.stdout
+    assert sorted(outcomes) == list(range(races)), proc.stdout
     at_publish = 0
     for i, result in outcomes.items():
         assert sorted(result) == [1, 2], (i, result)
@@ -515,8 +546,8 @@ def test_24_races_of_two_writers_have_exactly_one_winner_and_replace_nothing(
         got = ckpt.load(tmp_path / f"race_{i:03d}", like=like)
         assert torch.equal(got["w"], torch.full((20_000,), float(winners[0]))), (i, result)
         COUNTS["writer races"] += 1
-    assert at_publish >= RACES // 2, "the forced races did not reach the publish step"
-    assert sorted(p.name for p in tmp_path.iterdir()) == [f"race_{i:03d}" for i in range(RACES)]
+    assert at_publish >= races // 2, "the forced races did not reach the publish step"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"race_{i:03d}" for i in range(races)]
 
 
 # -- prune beside user directories ------------------------------------------------------------

@@ -509,6 +509,7 @@ def test_a_batch_missing_a_key_names_it_before_anything_is_saved(tmp_path: Path)
         ({"num_steps": 3, "log_every": 0}, "log_every"),
         ({"num_steps": 3, "eval_every": 2}, "eval_fn is None"),
         ({"num_steps": 3, "sinks": ("jsonl", "nope")}, "unknown sink 'nope'"),
+        ({"num_steps": 3, "collective_timeout": 0}, "collective_timeout must be positive"),
     ],
 )
 def test_bad_arguments_fail_before_any_step(kwargs: dict[str, Any], match: str) -> None:

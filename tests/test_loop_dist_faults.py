@@ -20,7 +20,9 @@ from typing import Any
 import pytest
 from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
+import _loop_worker as worker
 from purestep import checkpoint as ckpt
+from purestep.testing.workers import WorkerPool
 
 pytestmark = pytest.mark.distributed
 
@@ -102,3 +104,12 @@ def test_a_hung_peer_ends_the_job_after_collective_timeout(tmp_path: Path) -> No
     assert "collective timeout (5 s)" in res["message"], res
     assert re.search(r"for the other ranks (in|after) step [34]", res["message"]), res
     assert 4 <= res["delay"] < 30, res
+
+
+def test_collective_timeout_applies_during_the_run_only(tmp_path: Path) -> None:
+    """run(collective_timeout=7) sets the default group's timeout (and purestep's checkpoint
+    group follows it) for the run, and restores the group's own timeout afterwards."""
+    with WorkerPool(2, pg_timeout_s=60) as pool:
+        seen = pool.run(worker.timeouts_seen, str(tmp_path / "run"))
+    for r, s in enumerate(seen):
+        assert s == {"before": 60, "during": 7, "checkpoint group": 7, "after": 60}, (r, s)

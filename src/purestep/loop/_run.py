@@ -85,6 +85,19 @@ def _check_int(name: str, value: Any, minimum: int, *, optional: bool = False) -
         raise ValueError(f"run: {name} must be an int >= {minimum}, got {value!r}")
 
 
+def _check_timeout(value: Any) -> None:
+    if value is None:
+        return
+    if isinstance(value, datetime.timedelta):
+        seconds = value.total_seconds()
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        seconds = float(value)
+    else:
+        raise TypeError(f"run: collective_timeout must be seconds or a timedelta, got {value!r}")
+    if not seconds > 0:
+        raise ValueError(f"run: collective_timeout must be positive, got {value!r}")
+
+
 _TD_MISSING = re.compile(r'key "(.+?)" not found in \w+ with keys \[(.*)\]', re.S)
 
 
@@ -302,16 +315,7 @@ def run(
     if not isinstance(state, TensorDictBase):
         raise TypeError(f"run: state is a {type(state).__name__}; expected a TensorDict")
     check_sinks(sinks)
-    if collective_timeout is not None and not (
-        isinstance(collective_timeout, datetime.timedelta)
-        or (
-            isinstance(collective_timeout, (int, float))
-            and not isinstance(collective_timeout, bool)
-        )
-    ):
-        raise TypeError(
-            f"run: collective_timeout must be seconds or a timedelta, got {collective_timeout!r}"
-        )
+    _check_timeout(collective_timeout)
     rank = _rank()
     prepare = getattr(step, "prepare", None)
     if callable(prepare):
