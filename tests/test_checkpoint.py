@@ -721,3 +721,43 @@ def test_checkpoint_errors_are_exceptions_with_their_builtin_meanings() -> None:
         ckpt.CheckpointMismatchError,
     ):
         assert issubclass(cls, ckpt.CheckpointError)
+
+
+@pytest.mark.parametrize("exc", [KeyboardInterrupt, SystemExit, MemoryError])
+@pytest.mark.parametrize("async_", [False, True], ids=["sync", "async"])
+def test_any_exception_while_writing_removes_the_scratch_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, exc: type[BaseException], async_: bool
+) -> None:
+    """A BaseException (Ctrl-C, SystemExit) or MemoryError in the middle of writing propagates
+    as itself (DCP wraps it in its CheckpointException; purestep unwraps it), and the scratch
+    directory is removed: only the previous checkpoint remains, and it is latest."""
+    from purestep.distributed import _storage
+
+    ckpt.save(_small(1), tmp_path / "a")
+    real = _storage.write_record
+    calls = []
+
+    def interrupted(tensor: torch.Tensor, stream: Any) -> int:
+        calls.append(1)
+        if len(calls) == 2:
+            raise exc()
+        return real(tensor, stream)
+
+    monkeypatch.setattr(_storage, "write_record", interrupted)
+    expected: tuple[type[BaseException], ...] = (exc,)
+    if exc is MemoryError:  # an ordinary Exception: reported as a failed save
+        expected = (ckpt.CheckpointWriteError,)
+    with pytest.raises(expected) as info:
+        _save_and_wait(_small(2), tmp_path / "b", async_)
+    if exc is MemoryError:
+        assert isinstance(info.value.__cause__, MemoryError)
+    with contextlib.suppress(BaseException):
+        ckpt.wait_pending()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a"]
+    assert ckpt.latest(tmp_path) == tmp_path / "a"
+
+
+def _save_and_wait(state: TensorDict, path: Path, async_: bool) -> None:
+    handle = ckpt.save(state, path, async_=async_)
+    if handle is not None:
+        handle.wait()
