@@ -45,8 +45,9 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tensordict import TensorDict, TensorDictBase
+from tensordict import TensorDict
 
+from _checkpoint_states import _same
 from purestep import checkpoint as ckpt
 
 FLIPS_PER_FILE = 60
@@ -113,20 +114,6 @@ def _state() -> TensorDict:
 
 def _per_rank() -> TensorDict:
     return TensorDict({"loader": {"pos": torch.tensor(123), "epoch": torch.tensor(2)}}, [])
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().reshape(-1).view(torch.uint8)
-
-
-def _same(a: TensorDictBase, b: TensorDictBase) -> bool:
-    ka = sorted(a.keys(True, True), key=str)
-    return ka == sorted(b.keys(True, True), key=str) and all(
-        a[k].dtype == b[k].dtype
-        and a[k].shape == b[k].shape
-        and torch.equal(_bits(a[k]), _bits(b[k]))
-        for k in ka
-    )
 
 
 @pytest.fixture(scope="module")

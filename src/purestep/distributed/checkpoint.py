@@ -86,7 +86,6 @@ Example:
 from __future__ import annotations
 
 import os
-import pickle
 import time
 import uuid
 from collections.abc import Mapping
@@ -95,9 +94,6 @@ from typing import Any, Literal, overload
 
 import torch
 from tensordict import TensorDictBase
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 from purestep import tree
 from purestep.distributed import _ckpt_fs
@@ -122,18 +118,13 @@ from purestep.distributed._ckpt_errors import (
 from purestep.distributed._ckpt_group import (
     _gather,
     _group,
-    _quiet_no_dist,
     _raise_agreed,
     _rank,
     _world,
-    from_dcp,
 )
 from purestep.distributed._ckpt_integrity import (
     ALGORITHM,
-    DCP_METADATA,
     file_problem,
-    records,
-    verify_metadata_file,
     verify_records,
 )
 from purestep.distributed._ckpt_paths import (
@@ -149,10 +140,11 @@ from purestep.distributed._ckpt_paths import (
     read_metadata,
     step_dir,
 )
-from purestep.distributed._ckpt_state import describe, flatten, json_metadata, mismatch, step_of
+from purestep.distributed._ckpt_read import cross_check, prepare
+from purestep.distributed._ckpt_read import read as read_into
+from purestep.distributed._ckpt_state import flatten, json_metadata, step_of
 from purestep.distributed._ckpt_write import discard, target_error
 from purestep.distributed._ckpt_write import write as _write
-from purestep.distributed._storage import RecordReader
 
 __all__ = [
     "METADATA_FILE",
@@ -351,85 +343,6 @@ def save(
 # -- load ----------------------------------------------------------------------------------
 
 
-def _check(path: Path, like: TensorDictBase, expected_of: Any, what: str, verify: bool) -> Any:
-    """Metadata, file sizes, the key match and ``.metadata``'s checksum, before any of DCP's
-    collectives; returns ``(md, flat_like, .metadata bytes or None)``."""
-    md = read_metadata(path)
-    found = file_problem(path, md)
-    if found is not None:
-        raise CheckpointCorruptError(
-            f"checkpoint {path} is damaged: {found[1]}", path=path, file=found[0]
-        )
-    flat_like = flatten(like, "like")
-    err = mismatch(path, expected_of(md), describe(flat_like), what)
-    if err is not None:
-        raise err
-    dcp_md = verify_metadata_file(path, md) if verify else None
-    return md, flat_like, dcp_md
-
-
-def _prepare(
-    path: Path,
-    like: TensorDictBase,
-    group: Any,
-    expected_of: Any,
-    what: str,
-    donate: bool,
-    verify: bool,
-) -> tuple[dict[str, Any], dict[str, torch.Tensor], bytes | None]:
-    problem: CheckpointError | None = None
-    md: dict[str, Any] = {}
-    flat_like: dict[str, torch.Tensor] = {}
-    dcp_md: bytes | None = None
-    try:
-        md, flat_like, dcp_md = _check(path, like, expected_of, what, verify)
-    except CheckpointError as e:
-        problem = e
-    _raise_agreed(group, problem, f"loading checkpoint {path}")
-    if donate and verify:  # check every byte before anything is written into the live state
-        try:
-            verify_records(path, md, rank=_rank(group), world=_world(group))
-        except CheckpointError as e:
-            problem = e
-        _raise_agreed(group, problem, f"loading checkpoint {path}")
-    return md, flat_like, dcp_md
-
-
-def _load_flat(
-    group: Any,
-    path: Path,
-    flat_like: dict[str, torch.Tensor],
-    donate: bool,
-    md: Mapping[str, Any],
-    verify: bool,
-    dcp_md: bytes | None,
-) -> dict[str, torch.Tensor]:
-    dst = flat_like if donate else {k: torch.empty_like(v) for k, v in flat_like.items()}
-    if not dst:
-        return dst
-    _quiet_no_dist()
-    try:
-        with torch.no_grad():
-            dcp_load(
-                dst,
-                storage_reader=RecordReader(path, integrity=md, verify=verify, dcp_metadata=dcp_md),
-                process_group=group,
-                no_dist=group is None,
-            )
-    except CheckpointException as e:
-        found = from_dcp(e, path, CheckpointReadError, "loading")
-        if isinstance(found, CheckpointError):
-            raise found from found.__cause__
-        raise found from e  # this rank was interrupted (KeyboardInterrupt, SystemExit)
-    except CheckpointError:
-        raise
-    except Exception as e:
-        raise CheckpointReadError(
-            f"loading checkpoint {path} failed: {type(e).__name__}: {e}", path=path
-        ) from e
-    return dst
-
-
 def load(
     path: str | os.PathLike[str],
     *,
@@ -482,8 +395,8 @@ def load(
     wait_pending()
     p = Path(path)
     group = _group()
-    md, flat_like, dcp_md = _prepare(p, like, group, lambda md: md["keys"], "state", donate, verify)
-    dst = _load_flat(group, p, flat_like, donate, md, verify, dcp_md)
+    md, flat_like, dcp_md = prepare(p, like, group, lambda md: md["keys"], "state", donate, verify)
+    dst = read_into(group, p, flat_like, donate, md, verify, dcp_md)
     if donate:
         return like
     return tree.rebuild(like, list(dst.values()))
@@ -527,46 +440,17 @@ def load_per_rank(
             )
         return md.get("per_rank_keys", {}).get(str(rank), {})
 
-    md, flat_like, dcp_md = _prepare(
+    md, flat_like, dcp_md = prepare(
         p, like, group, expected, f"per-rank values of rank {rank}", donate, verify
     )
     flat = {prefix + k: v for k, v in flat_like.items()}
-    dst = _load_flat(group, p, flat, donate, md, verify, dcp_md)
+    dst = read_into(group, p, flat, donate, md, verify, dcp_md)
     if donate:
         return like
     return tree.rebuild(like, list(dst.values()))
 
 
 # -- verify --------------------------------------------------------------------------------
-
-
-def _cross_check(path: Path, md: Mapping[str, Any]) -> None:
-    """DCP's ``.metadata`` (checksum verified first) places every record where metadata.json does."""
-    dcp_md = pickle.loads(verify_metadata_file(path, md))
-    if not isinstance(dcp_md, Metadata):
-        raise CheckpointCorruptError(
-            f"checkpoint {path} is damaged: {DCP_METADATA} does not hold DCP metadata",
-            path=path,
-            file=DCP_METADATA,
-        )
-    ours = {(r.key, r.chunk): (r.file, r.offset, r.length) for r in records(md)}
-    theirs = {
-        (idx.fqn, tuple(int(x) for x in (idx.offset or ()))): (
-            info.relative_path,
-            info.offset,
-            info.length,
-        )
-        for idx, info in (dcp_md.storage_data or {}).items()
-    }
-    if ours != theirs:
-        differ = sorted({k for k in ours.keys() | theirs.keys() if ours.get(k) != theirs.get(k)})
-        raise CheckpointCorruptError(
-            f"checkpoint {path} is damaged: {DCP_METADATA} and {METADATA_FILE} disagree about "
-            f"the records of {', '.join(k for k, _ in differ[:5])}",
-            path=path,
-            file=DCP_METADATA,
-            key=differ[0][0],
-        )
 
 
 def verify(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -602,7 +486,7 @@ def verify(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise CheckpointCorruptError(
             f"checkpoint {p} is damaged: {found[1]}", path=p, file=found[0]
         )
-    _cross_check(p, md)
+    cross_check(p, md)
     nbytes = verify_records(p, md)
     return {
         "path": str(p),
