@@ -109,6 +109,14 @@ class HashingWriter:
 
     def write(self, data: Any) -> int:
         """Write ``data`` (any C-contiguous buffer) and hash it; returns its length in bytes."""
+        if type(data) is bytes:  # pickle's small writes: the common case, kept cheap
+            try:
+                self._f.write(data)
+            except OSError as e:
+                self.error = e
+                raise
+            self._h.update(data)
+            return len(data)
         mv = memoryview(data)
         if mv.format != "B" or mv.ndim != 1:
             mv = mv.cast("B")
@@ -315,15 +323,20 @@ def _by_file(recs: Sequence[RecordInfo]) -> Iterator[tuple[str, list[RecordInfo]
         yield name, sorted(items, key=lambda r: r.offset)
 
 
-def check_bytes(path: Path, name: str, expected: str, got: str, what: str, key: str | None) -> None:
+def check_bytes(
+    path: Path, name: str, expected: str, got: str, what: str | RecordInfo, key: str | None
+) -> None:
     """Raise :class:`CheckpointCorruptError` if the ``got`` checksum differs from ``expected``.
+
+    ``what`` names the bytes (a record's description is built only on a mismatch).
 
     Example:
         >>> check_bytes(Path("/c"), "f", "00", "00", "record", None)
     """
     if got != expected:
+        where = what.where(path) if isinstance(what, RecordInfo) else what
         raise CheckpointCorruptError(
-            f"checkpoint {path} is damaged: {what} fails its {ALGORITHM} checksum "
+            f"checkpoint {path} is damaged: {where} fails its {ALGORITHM} checksum "
             f"(stored {expected}, computed {got})",
             path=path,
             file=name,
@@ -423,7 +436,7 @@ def verify_records(path: Path, md: Mapping[str, Any], *, rank: int = 0, world: i
                         file=name,
                         key=r.key,
                     )
-                check_bytes(path, name, r.checksum, digest, r.where(path), r.key)
+                check_bytes(path, name, r.checksum, digest, r, r.key)
                 total += r.length
     return total
 

@@ -425,9 +425,7 @@ class RecordReader(FileSystemReader):
     def _check(self, h: Any, rec: RecordInfo) -> None:
         if h is not None:
             got = str(h.hexdigest())
-            check_bytes(
-                self.checkpoint, rec.file, rec.checksum, got, rec.where(self.checkpoint), rec.key
-            )
+            check_bytes(self.checkpoint, rec.file, rec.checksum, got, rec, rec.key)
 
     def _read_exact(self, f: Any, into: memoryview, h: Any, rec: RecordInfo) -> None:
         if read_exact(f, into, h) < into.nbytes:
