@@ -67,6 +67,12 @@ def prepare(
     donate: bool,
     verify: bool,
 ) -> tuple[dict[str, Any], dict[str, torch.Tensor], bytes | None]:
+    """Every check that can fail before DCP reads, agreed by all ranks.
+
+    Returns ``(metadata.json, flat like, .metadata bytes)``. With ``donate`` and
+    ``verify``, each rank then reads and checks its share of every record, so a
+    damaged checkpoint fails here, before the live state is touched.
+    """
     problem: CheckpointError | None = None
     md: dict[str, Any] = {}
     flat_like: dict[str, torch.Tensor] = {}
@@ -94,6 +100,8 @@ def read(
     verify: bool,
     dcp_md: bytes | None,
 ) -> dict[str, torch.Tensor]:
+    """DCP's load of ``path`` into ``flat_like`` (or fresh ``empty_like`` tensors unless
+    ``donate``) through the verifying :class:`RecordReader`; failures as :class:`CheckpointError`."""
     dst = flat_like if donate else {k: torch.empty_like(v) for k, v in flat_like.items()}
     if not dst:
         return dst
