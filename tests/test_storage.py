@@ -102,8 +102,12 @@ def test_purestep_load_reads_its_own_raw_records_without_unpickling(
     state = TensorDict(_build(spec, g), [])
     path = tmp_path_factory.mktemp("c") / "ckpt"
     ckpt.save(state, path)
-    layouts = [r["layout"] for r in ckpt.read_metadata(path)["integrity"]["records"]]
-    assert set(layouts) <= {RAW_TAIL, "torch-zip"}
+    records = ckpt.read_metadata(path)["integrity"]["records"]
+    assert {r["layout"] for r in records} <= {RAW_TAIL, "torch-zip"}
+    numel = {
+        k if isinstance(k, str) else ".".join(k): v.numel() for k, v in state.items(True, True)
+    }
+    zipped = [r for r in records if r["layout"] == "torch-zip" and numel[r["key"]] > 0]
     calls = []
     real = torch.load
 
@@ -116,7 +120,7 @@ def test_purestep_load_reads_its_own_raw_records_without_unpickling(
         out = ckpt.load(path, like=state.apply(torch.zeros_like))
     finally:
         torch.load = real
-    assert len(calls) == layouts.count("torch-zip")
+    assert len(calls) == len(zipped)  # DCP reads no record of an empty tensor
     _equal_bits(_flat_td(out), _flat_td(state))
 
 
