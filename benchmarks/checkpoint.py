@@ -15,14 +15,18 @@ round:
 * ``torch.save + fsync``: the flat ``{key: tensor}`` dict in one file, fsynced
   (durable, like a checkpoint must be). ``torch.save`` alone (page cache only)
   is listed too.
-* ``ckpt.save``: ``purestep.checkpoint.save`` (DCP write with fsync,
-  ``metadata.json``, atomic rename).
+* ``ckpt.save``: ``purestep.checkpoint.save`` (DCP write with fsync, every
+  record hashed with ``xxh3_64``, ``metadata.json``, atomic no-replace rename).
+  ``ckpt.save (no checksums)`` is the same save with the hasher replaced by a
+  no-op, to show what the checksums cost (a benchmark-only patch: that
+  checkpoint would fail verification).
 * ``ckpt.save async_``: time until ``save(..., async_=True)`` returns (the
   training loop is blocked only this long: flatten, stage a CPU copy into
   reused buffers, start the background thread), and the time until
   ``wait()`` returns. The first async save of a run also allocates the staging
   buffers (page faults); that warm-up value is reported separately.
-* ``ckpt.load`` and ``torch.load``: read back into fresh tensors.
+* ``ckpt.load`` (every record's checksum verified, the default),
+  ``ckpt.load (verify=False)`` and ``torch.load``: read back into fresh tensors.
 
 Two states are measured: the GPT-like AdamW state (hundreds of small and
 medium tensors) and one of 48 equal large tensors, because DCP's cost has a
@@ -50,6 +54,17 @@ import torch
 from tensordict import TensorDict
 
 from purestep import checkpoint as ckpt
+from purestep.distributed import _ckpt_integrity
+
+
+class _NoHash:
+    """Stands in for the xxh3_64 hasher in the no-checksum comparison."""
+
+    def update(self, data: object) -> None:
+        pass
+
+    def hexdigest(self) -> str:
+        return "0" * 16
 
 
 def make_state(mb: float) -> TensorDict:
@@ -148,6 +163,14 @@ def bench(title: str, state: TensorDict, rounds: int, base: Path) -> None:
     def csave() -> None:
         ckpt.save(state, base / "c")
 
+    def csave_nohash() -> None:
+        real = _ckpt_integrity.hasher
+        _ckpt_integrity.hasher = _NoHash  # type: ignore[assignment]
+        try:
+            ckpt.save(state, base / "n")
+        finally:
+            _ckpt_integrity.hasher = real
+
     def casync() -> None:  # records its own two timings
         t = time.perf_counter()
         h = ckpt.save(state, base / "a", async_=True)
@@ -163,13 +186,16 @@ def bench(title: str, state: TensorDict, rounds: int, base: Path) -> None:
     def cload() -> None:
         ckpt.load(base / "c", like=like)
 
+    def cload_noverify() -> None:
+        ckpt.load(base / "c", like=like, verify=False)
+
     def tload() -> None:
         torch.load(base / "ts.pt", weights_only=True)
 
     def cleanup() -> None:
         for p in ("raw.bin", "ts.pt"):
             (base / p).unlink(missing_ok=True)
-        for p in ("c", "a"):
+        for p in ("c", "a", "n"):
             shutil.rmtree(base / p, ignore_errors=True)
 
     writers: list[tuple[str, Callable[[], None]]] = [
@@ -177,14 +203,20 @@ def bench(title: str, state: TensorDict, rounds: int, base: Path) -> None:
         ("torch.save + fsync", tsave(True)),
         ("torch.save (no fsync)", tsave(False)),
         ("ckpt.save", csave),
+        ("ckpt.save (no checksums)", csave_nohash),
         ("ckpt.save async_", casync),
+    ]
+    readers: list[tuple[str, Callable[[], None]]] = [
+        ("ckpt.load", cload),
+        ("ckpt.load (verify=False)", cload_noverify),
+        ("torch.load", tload),
     ]
     for r in range(rounds + 1):
         k = r % len(writers)
         for name, fn in writers[k:] + writers[:k]:
             timed(name, fn)
-        timed("ckpt.load", cload)
-        timed("torch.load", tload)
+        for name, fn in readers[k % 3 :] + readers[: k % 3]:
+            timed(name, fn)
         if r == 0:  # warm-up round
             times.clear()
         cleanup()
@@ -202,10 +234,12 @@ def bench(title: str, state: TensorDict, rounds: int, base: Path) -> None:
         "torch.save + fsync",
         "torch.save (no fsync)",
         "ckpt.save",
+        "ckpt.save (no checksums)",
         "ckpt.save async_ (blocked)",
         "ckpt.save async_ (until wait returns)",
         "torch.load",
         "ckpt.load",
+        "ckpt.load (verify=False)",
     ]:
         t = med[name]
         print(f"| {name} | {t:.3f} | {gb / t:.2f} | {ref / t:.2f}x |")
@@ -213,8 +247,20 @@ def bench(title: str, state: TensorDict, rounds: int, base: Path) -> None:
         f"| ckpt.save async_ (blocked), first save: new buffers | {first_async_block[0]:.3f} | | |"
     )
     print()
+
+    def ratios(a: str, b: str) -> str:
+        """median and range of the per-round ratios time(b) / time(a) (a's throughput vs b's)."""
+        r = sorted(tb / ta for ta, tb in zip(times[a], times[b], strict=True))
+        return f"{statistics.median(r):.2f} (rounds {r[0]:.2f}-{r[-1]:.2f})"
+
     print(
-        f"- sync save throughput / torch.save+fsync: {ref / med['ckpt.save']:.2f} (target >= 0.70)"
+        f"- sync save throughput / torch.save+fsync, checksums on: "
+        f"{ratios('ckpt.save', 'torch.save + fsync')} (target >= 0.70); without: "
+        f"{ratios('ckpt.save (no checksums)', 'torch.save + fsync')}"
+    )
+    print(
+        f"- load throughput / torch.load, verified: {ratios('ckpt.load', 'torch.load')} "
+        f"(target >= 0.80); verify=False: {ratios('ckpt.load (verify=False)', 'torch.load')}"
     )
     print(
         f"- sync save throughput / torch.save (no fsync): "

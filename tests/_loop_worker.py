@@ -30,6 +30,7 @@ from tensordict import TensorDict
 
 import purestep as ps
 from purestep import loop, rng
+from purestep.distributed import _ckpt_fs
 from purestep.distributed import checkpoint as ckpt
 
 NUM_BATCHES = 7  # not a divisor of the run lengths: passes end mid-interval
@@ -152,6 +153,41 @@ def distributed_run(
     return {"state": final, "preempted": None}
 
 
+def timeouts_seen(root: str) -> dict[str, float]:
+    """A task for ``WorkerPool``: the collective timeouts before, during and after
+    ``run(collective_timeout=7)`` (default group, and purestep's checkpoint group)."""
+    from purestep.distributed import _ckpt_group, timeouts
+
+    def seconds(group: Any = None) -> float:
+        t = timeouts.get_timeout(group)
+        assert t is not None
+        return t.total_seconds()
+
+    r = dist.get_rank()
+    seen = {"before": seconds()}
+    step, state = build(4, gather=True)
+
+    def eval_fn(s: Any) -> dict[str, float]:
+        seen["during"] = seconds()
+        seen["checkpoint group"] = seconds(_ckpt_group._group())
+        return {}
+
+    loop.run(
+        step,
+        state,
+        ShuffledData(make_batches()[r::2], seed=r),
+        num_steps=2,
+        checkpoint_dir=root,
+        save_every=1,
+        progress=False,
+        eval_fn=eval_fn,
+        eval_every=1,
+        collective_timeout=7,
+    )
+    seen["after"] = seconds()
+    return seen
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dir", required=True)
@@ -171,7 +207,7 @@ def main() -> None:
         return real_save(state, path, **kw)
 
     ckpt.save = save  # type: ignore[assignment]
-    real_rename = os.rename
+    real_rename = _ckpt_fs.rename_noreplace
     renames = 0
 
     def rename(src: Any, dst: Any) -> None:
@@ -183,7 +219,7 @@ def main() -> None:
                 time.sleep(60)
         real_rename(src, dst)
 
-    os.rename = rename  # type: ignore[assignment]
+    _ckpt_fs.rename_noreplace = rename  # type: ignore[assignment]
 
     step, state = build(args.num_steps)
     final = loop.run(

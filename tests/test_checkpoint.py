@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import random
@@ -18,77 +19,13 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tensordict import TensorDict, TensorDictBase
+from tensordict import TensorDict
 
 import purestep
+from _checkpoint_states import DTYPES, _random_tensor, _same, _small, _train_state
 from purestep import checkpoint as alias
+from purestep.distributed import _ckpt_write
 from purestep.distributed import checkpoint as ckpt
-
-DTYPES = [
-    torch.float32,
-    torch.float64,
-    torch.float16,
-    torch.bfloat16,
-    torch.int64,
-    torch.int32,
-    torch.uint8,
-    torch.bool,
-]
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().reshape(-1).view(torch.uint8)
-
-
-def _same(a: TensorDictBase, b: TensorDictBase) -> bool:
-    """Same nested keys, dtypes, shapes and bit patterns (NaN payloads included)."""
-    ka = sorted(a.keys(True, True), key=str)
-    kb = sorted(b.keys(True, True), key=str)
-    return ka == kb and all(
-        a[k].dtype == b[k].dtype
-        and a[k].shape == b[k].shape
-        and torch.equal(_bits(a[k]), _bits(b[k]))
-        for k in ka
-    )
-
-
-def _random_tensor(shape: tuple[int, ...], dtype: torch.dtype, g: torch.Generator) -> torch.Tensor:
-    """Arbitrary bit patterns (so NaNs with payloads, infs, -0.0, subnormals all occur)."""
-    n = 1
-    for s in shape:
-        n *= s
-    if dtype == torch.bool:
-        return torch.randint(0, 2, shape, generator=g).bool()
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    raw = torch.randint(0, 256, (n * itemsize,), dtype=torch.uint8, generator=g)
-    return raw.view(dtype).reshape(shape)
-
-
-def _train_state(seed: int = 0, step: int = 3) -> TensorDict:
-    g = torch.Generator().manual_seed(seed)
-    return TensorDict(
-        {
-            "params": {
-                "student": {
-                    "fc": {
-                        "weight": torch.randn(4, 3, generator=g),
-                        "bias": torch.randn(4, generator=g).bfloat16(),
-                    },
-                    "head": {"weight": torch.randn(2, 4, generator=g, dtype=torch.float64)},
-                },
-            },
-            "opt_state": {
-                "student": {
-                    "count": torch.tensor(step, dtype=torch.int64),
-                    "lr": torch.tensor(3e-4, dtype=torch.float64),
-                }
-            },
-            "rng": torch.tensor(-(2**62) + 12345 * seed, dtype=torch.int64),
-            "step": torch.tensor(step, dtype=torch.int64),
-        },
-        batch_size=[],
-    )
-
 
 name_st = st.from_regex(r"[a-z][a-z0-9_]{0,5}", fullmatch=True)
 leaf_st = st.tuples(st.lists(st.integers(0, 4), max_size=3).map(tuple), st.sampled_from(DTYPES))
@@ -191,19 +128,35 @@ def test_like_mismatch_lists_every_bad_key_in_one_message(tmp_path: Path) -> Non
 
 
 def test_loading_a_non_checkpoint_fails_clearly(tmp_path: Path) -> None:
-    """Empty, missing, scratch and markerless directories are not checkpoints."""
+    """Empty, missing, foreign, old-format and markerless directories are not checkpoints; each
+    error is a CheckpointError subclass that also is the matching builtin exception."""
     like = _train_state()
     (tmp_path / "empty").mkdir()
     with pytest.raises(
-        FileNotFoundError, match=r"not a purestep checkpoint: .*empty \(no metadata\.json\)"
-    ):
+        ckpt.CheckpointNotFoundError, match=r"not a purestep checkpoint: .*empty \(no metadata"
+    ) as info:
         ckpt.load(tmp_path / "empty", like=like)
-    with pytest.raises(FileNotFoundError, match="not a purestep checkpoint"):
+    assert isinstance(info.value, FileNotFoundError)
+    assert info.value.path == tmp_path / "empty"
+    with pytest.raises(ckpt.CheckpointNotFoundError, match="no such directory"):
         ckpt.load(tmp_path / "nowhere", like=like)
-    (tmp_path / "half").mkdir()
-    (tmp_path / "half" / "metadata.json").write_text(json.dumps({"format": "purestep.checkpoint"}))
-    with pytest.raises(ValueError, match="incomplete purestep checkpoint"):
-        ckpt.load(tmp_path / "half", like=like)
+    (tmp_path / "foreign").mkdir()
+    (tmp_path / "foreign" / "metadata.json").write_text(json.dumps({"format": "other"}))
+    with pytest.raises(ckpt.CheckpointFormatError, match="not a purestep checkpoint"):
+        ckpt.load(tmp_path / "foreign", like=like)
+    (tmp_path / "v1").mkdir()
+    v1 = {"format": "purestep.checkpoint", "format_version": 1, "complete": True}
+    (tmp_path / "v1" / "metadata.json").write_text(json.dumps(v1))
+    with pytest.raises(ckpt.CheckpointFormatError, match=r"format version 1.*before checksums"):
+        ckpt.load(tmp_path / "v1", like=like)
+    ckpt.save(_small(1), tmp_path / "half")
+    md = json.loads((tmp_path / "half" / "metadata.json").read_text())
+    del md["complete"]
+    (tmp_path / "half" / "metadata.json").write_text(json.dumps(md))
+    with pytest.raises(ckpt.CheckpointCorruptError, match="does not match its own checksum"):
+        ckpt.load(tmp_path / "half", like=_small(0))
+    for name in ["empty", "nowhere", "foreign", "v1", "half"]:
+        assert not ckpt.is_complete(tmp_path / name)
 
 
 def test_metadata_json_describes_the_checkpoint(tmp_path: Path) -> None:
@@ -235,10 +188,6 @@ def test_step_dir_names_sort_like_steps(tmp_path: Path) -> None:
     assert sorted(names) == names
     with pytest.raises(ValueError, match="step must be >= 0"):
         ckpt.step_dir(tmp_path, -1)
-
-
-def _small(step: int) -> TensorDict:
-    return TensorDict({"w": torch.full((3,), float(step)), "step": torch.tensor(step)}, [])
 
 
 def test_latest_is_highest_step_and_ignores_scratch_and_incomplete(tmp_path: Path) -> None:
@@ -347,17 +296,19 @@ def test_a_failed_save_leaves_no_checkpoint_and_no_scratch(
     ckpt.save(_small(1), tmp_path / "a")
 
     def broken(*args: Any) -> None:
-        raise OSError("disk full (simulated)")
+        raise OSError(errno.ENOSPC, "No space left on device (simulated)")
 
-    monkeypatch.setattr(ckpt, "_write_metadata", broken)
+    monkeypatch.setattr(_ckpt_write, "write_metadata", broken)
 
     def save_and_wait() -> None:
         handle = ckpt.save(_small(2), tmp_path / "b", async_=async_)
         if handle is not None:
             handle.wait()
 
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(ckpt.CheckpointWriteError, match="No space left") as info:
         save_and_wait()
+    assert isinstance(info.value.__cause__, OSError)
+    assert info.value.__cause__.errno == errno.ENOSPC
     ckpt.wait_pending()  # the failure was consumed; nothing left pending
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a"]
     assert ckpt.latest(tmp_path) == tmp_path / "a"

@@ -327,6 +327,92 @@ def test_mismatched_like_raises_on_every_rank_without_hanging(
     assert pool.pids == pids  # no restart was needed
 
 
+def task_load_damaged(path: str, sizes: tuple[int, ...], donate: bool) -> dict[str, Any]:
+    """Load a damaged checkpoint into a sharded ``like``; report the error and whether ``like``
+    (the live state, when donated) is unchanged."""
+    model = _sharded(sizes, torch.float32, 3)
+    like = _state(TensorDict.from_module(model), 3, 0)
+    before = _full(like)
+    err = None
+    try:
+        ckpt.load(path, like=like, donate=donate)
+    except ckpt.CheckpointError as e:
+        err = (type(e).__name__, str(e), e.file)
+    return {"error": err, "unchanged": _same(before, _full(like))}
+
+
+def task_save_failing_on_rank_1(root: str) -> dict[str, Any]:
+    """Save twice; the second save's data-file fsync fails with ENOSPC on rank 1 only."""
+    import errno
+
+    model = _sharded((4, 3), torch.float32, 0)
+    state = _state(TensorDict.from_module(model), 0, 1)
+    ckpt.save(state, os.path.join(root, "a"))
+    real = os.fsync
+
+    def full(fd: int) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    if dist.get_rank() == 1:
+        os.fsync = full  # type: ignore[assignment]
+    try:
+        ckpt.save(state, os.path.join(root, "b"))
+    except ckpt.CheckpointError as e:
+        cause = e.__cause__
+        return {
+            "error": type(e).__name__,
+            "message": str(e),
+            "errno": getattr(cause, "errno", None),
+            "latest": ckpt.latest(root).name,  # type: ignore[union-attr]
+        }
+    finally:
+        os.fsync = real  # type: ignore[assignment]
+    return {"error": None}
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+def test_a_damaged_sharded_checkpoint_fails_on_every_rank_and_never_tears_the_live_state(
+    pool: WorkerPool, tmp_path: Path, damage: str
+) -> None:
+    """A bit flip (or truncation) in rank 1's data file: loading on 2 ranks raises
+    CheckpointCorruptError on both (naming the file), plain and donated; the donated FSDP
+    parameters keep their values on both ranks."""
+    path = tmp_path / "c"
+    pool.run(task_save, str(path), (6, 5, 3), torch.float32, 1, 2, False)
+    f = path / "__1_0.distcp"
+    if damage == "flip":  # the last data byte of a parameter shard in rank 1's file
+        records = ckpt.read_metadata(path)["integrity"]["records"]
+        (rec,) = [
+            r for r in records if r["file"] == f.name and r["key"] == "params.student.0.weight"
+        ]
+        data = bytearray(f.read_bytes())
+        data[rec["offset"] + rec["length"] - 1] ^= 0x40
+        f.write_bytes(bytes(data))
+    else:
+        os.truncate(f, f.stat().st_size // 2)
+    for donate in (False, True):
+        results = pool.run(task_load_damaged, str(path), (6, 5, 3), donate)
+        for r, res in enumerate(results):
+            assert res["error"] is not None, f"rank {r} loaded a damaged checkpoint"
+            name, message, file = res["error"]
+            assert name == "CheckpointCorruptError" and file == "__1_0.distcp", (r, message)
+            assert res["unchanged"], f"rank {r}: the live state changed (donate={donate})"
+
+
+def test_a_save_failing_on_one_rank_fails_on_every_rank_and_leaves_no_scratch(
+    pool: WorkerPool, tmp_path: Path
+) -> None:
+    """ENOSPC on rank 1 only: both ranks raise CheckpointWriteError with the OSError (errno
+    ENOSPC) as cause, the scratch directory is gone and the previous checkpoint is latest."""
+    results = pool.run(task_save_failing_on_rank_1, str(tmp_path))
+    for r, res in enumerate(results):
+        assert res["error"] == "CheckpointWriteError", (r, res)
+        assert res["errno"] == 28, (r, res)
+        assert "(on rank 1)" in res["message"] and "No space left" in res["message"], (r, res)
+        assert res["latest"] == "a"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a"]
+
+
 def test_pool_reports_per_rank_results_and_errors_and_leaves_no_process_behind(
     pool: WorkerPool,
 ) -> None:

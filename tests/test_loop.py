@@ -169,20 +169,6 @@ def test_async_saves_keep_the_newest_checkpoints(tmp_path: Path) -> None:
     assert [p.name for p in ckpt.checkpoints(tmp_path)] == ["step_00000005", "step_00000006"]
 
 
-def test_resume_from_a_path_replays_the_later_steps(tmp_path: Path) -> None:
-    """resume=PATH of an older checkpoint: the later steps are redone (same final state) and
-    the log's records after that checkpoint's step are replaced, not duplicated."""
-    step, state = _model()
-    data = _batches(3)
-    kw: dict[str, Any] = {"checkpoint_dir": tmp_path, "save_every": 2, "keep_last": 10}
-    _run(step, snapshot(state), data, num_steps=6, **kw)
-    assert [int(ckpt.read_metadata(p)["step"]) for p in ckpt.checkpoints(tmp_path)] == [2, 4, 6]
-    before = loop.read_metrics(tmp_path / "metrics.jsonl")
-    out = _run(step, snapshot(state), data, num_steps=6, resume=ckpt.step_dir(tmp_path, 2), **kw)
-    assert_trees_equal(out, _hand_loop(step, snapshot(state), data, 6))
-    assert loop.read_metrics(tmp_path / "metrics.jsonl") == before
-
-
 def test_checkpoint_holds_the_data_position(tmp_path: Path) -> None:
     """loop.batches_consumed (global) and per-rank epoch/position are saved with the state."""
     step, state = _model()
@@ -523,6 +509,7 @@ def test_a_batch_missing_a_key_names_it_before_anything_is_saved(tmp_path: Path)
         ({"num_steps": 3, "log_every": 0}, "log_every"),
         ({"num_steps": 3, "eval_every": 2}, "eval_fn is None"),
         ({"num_steps": 3, "sinks": ("jsonl", "nope")}, "unknown sink 'nope'"),
+        ({"num_steps": 3, "collective_timeout": 0}, "collective_timeout must be positive"),
     ],
 )
 def test_bad_arguments_fail_before_any_step(kwargs: dict[str, Any], match: str) -> None:

@@ -14,9 +14,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tensordict import TensorDict
 
+from _checkpoint_states import _bits
 from purestep.distributed import checkpoint as ckpt
 from purestep.distributed._storage import RAW_TAIL, RecordReader, RecordWriter, write_record
-from test_checkpoint import _bits, _build, tree_st
+from test_checkpoint import _build, tree_st
 
 
 def _flat(spec: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
@@ -92,25 +93,34 @@ def test_write_record_appends_one_loadable_record_of_the_returned_length(
 
 @settings(max_examples=15, deadline=None)
 @given(spec=tree_st, seed=st.integers(0, 2**31))
-def test_purestep_load_reads_its_own_records_without_unpickling(
+def test_purestep_load_reads_its_own_raw_records_without_unpickling(
     tmp_path_factory: pytest.TempPathFactory, spec: dict[str, Any], seed: int
 ) -> None:
-    """ckpt.load of a purestep checkpoint never calls torch.load, and is bitwise (any dtype/shape)."""
+    """ckpt.load of a purestep checkpoint calls torch.load only for the zip records (dtypes the
+    non-zip format cannot read back), never for raw-tail ones, and is bitwise (any dtype/shape)."""
     g = torch.Generator().manual_seed(seed)
     state = TensorDict(_build(spec, g), [])
     path = tmp_path_factory.mktemp("c") / "ckpt"
     ckpt.save(state, path)
-    assert ckpt.read_metadata(path)["records"] == RAW_TAIL
-
-    def no_unpickling(*a: Any, **k: Any) -> Any:
-        raise AssertionError("torch.load called")
-
+    records = ckpt.read_metadata(path)["integrity"]["records"]
+    assert {r["layout"] for r in records} <= {RAW_TAIL, "torch-zip"}
+    numel = {
+        k if isinstance(k, str) else ".".join(k): v.numel() for k, v in state.items(True, True)
+    }
+    zipped = [r for r in records if r["layout"] == "torch-zip" and numel[r["key"]] > 0]
+    calls = []
     real = torch.load
-    torch.load = no_unpickling  # type: ignore[assignment]
+
+    def counting(*a: Any, **k: Any) -> Any:
+        calls.append(1)
+        return real(*a, **k)
+
+    torch.load = counting  # type: ignore[assignment]
     try:
         out = ckpt.load(path, like=state.apply(torch.zeros_like))
     finally:
         torch.load = real
+    assert len(calls) == len(zipped)  # DCP reads no record of an empty tensor
     _equal_bits(_flat_td(out), _flat_td(state))
 
 
@@ -118,14 +128,15 @@ def _flat_td(td: TensorDict) -> dict[str, torch.Tensor]:
     return {".".join(k): v for k, v in td.items(True, True)}  # type: ignore[misc]
 
 
-def test_raw_tail_reads_fall_back_to_torch_load_for_other_records(tmp_path: Path) -> None:
-    """RecordReader(raw_tail=True) on stock zip records notices the layout differs and unpickles."""
+def test_a_stock_checkpoint_without_purestep_metadata_is_read_by_unpickling(
+    tmp_path: Path,
+) -> None:
+    """RecordReader without purestep's metadata.json (a stock DCP checkpoint of zip records)
+    reads each record by unpickling it, bitwise."""
     sd = {"a": torch.arange(6.0).reshape(2, 3), "b": torch.tensor(7), "c": torch.ones(0)}
     _one_process(lambda: dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp_path), no_dist=True))
     out = {k: torch.zeros_like(v) for k, v in sd.items()}
-    _one_process(
-        lambda: dcp.load(out, storage_reader=RecordReader(tmp_path, raw_tail=True), no_dist=True)
-    )
+    _one_process(lambda: dcp.load(out, storage_reader=RecordReader(tmp_path), no_dist=True))
     _equal_bits(out, sd)
 
 

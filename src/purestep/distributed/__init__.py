@@ -1,4 +1,5 @@
-"""Adapters for torch.distributed: DCP checkpoints (``checkpoint``) and FSDP2 binding (``fsdp``).
+"""Adapters for torch.distributed: DCP checkpoints (``checkpoint``), FSDP2 binding (``fsdp``),
+collective timeouts (``timeouts``).
 
 Submodules are imported on first attribute access, so ``import purestep.distributed``
 stays cheap and does not require every adapter to be importable.
@@ -14,7 +15,7 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-__all__ = ["checkpoint", "fsdp"]
+__all__ = ["checkpoint", "fsdp", "timeouts"]
 
 
 def __getattr__(name: str) -> ModuleType:

@@ -25,13 +25,14 @@ Example:
     [2, 4]
 """
 
-from purestep.loop._run import LOOP_KEY, BatchKeyError, Preempted, run
+from purestep.loop._run import LOOP_KEY, BatchKeyError, CollectiveTimeoutError, Preempted, run
 from purestep.loop._sinks import CSVSink, JSONLSink, Sink, TensorBoardSink, read_metrics
 
 __all__ = [
     "LOOP_KEY",
     "BatchKeyError",
     "CSVSink",
+    "CollectiveTimeoutError",
     "JSONLSink",
     "Preempted",
     "Sink",

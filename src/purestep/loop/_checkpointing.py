@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import uuid
 import warnings
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,7 @@ from purestep.distributed import checkpoint as ckpt
 from purestep.loop._data import DataStream, decode_state
 from purestep.step import is_bound
 
-__all__ = ["LOOP_KEY", "probe_writable", "rank", "restore", "resume_source", "save"]
+__all__ = ["LOOP_KEY", "probe_writable", "rank", "restore", "restore_any", "resume_sources", "save"]
 
 LOOP_KEY = "loop"
 """Top-level checkpoint key of the loop's own values (``loop.batches_consumed``)."""
@@ -41,8 +42,24 @@ def probe_writable(root: Path, rank: int) -> None:
         raise OSError(f"run: checkpoint_dir {str(root)!r} is not writable: {e}") from e
 
 
-def resume_source(resume: Any, root: Path | None) -> Path | None:
-    """The checkpoint to resume from (``None``: start from scratch); see ``run``'s ``resume``."""
+def _step(path: Path) -> int:
+    step = ckpt.read_metadata(path).get("step")
+    return step if isinstance(step, int) else -1
+
+
+def _warn(message: str) -> None:
+    if rank() == 0:
+        warnings.warn(message, stacklevel=4)
+
+
+def resume_sources(resume: Any, root: Path | None) -> list[Path]:
+    """The checkpoints to try, in order (empty: start from scratch); see ``run``'s ``resume``.
+
+    ``"latest"``: every complete checkpoint in ``root``, newest first, after a
+    warning naming each damaged one (it is skipped). A path: just it, unless
+    ``root`` holds newer checkpoints (resuming there would replace them and
+    their log records): then ``ValueError``.
+    """
     if resume is None:
         found = ckpt.latest(root) if root is not None else None
         if found is not None:
@@ -51,17 +68,68 @@ def resume_source(resume: Any, root: Path | None) -> Path | None:
                 f"{found.name}) and resume=None; pass resume='latest' to continue that run, "
                 "or use a fresh directory"
             )
-        return None
+        return []
     if resume == "latest":
-        return ckpt.latest(root) if root is not None else None
+        if root is None:
+            return []
+        bad = ckpt.damaged(root)
+        intact = ckpt.checkpoints(root)
+        if bad:
+            _warn(
+                "run: resume='latest' skips damaged or incomplete checkpoints: "
+                + "; ".join(f"{p.name} ({why})" for p, why in bad)
+            )
+            if not intact:
+                raise ckpt.CheckpointCorruptError(
+                    f"run: resume='latest': no intact checkpoint in {str(root)!r}, only damaged "
+                    f"ones ({', '.join(p.name for p, _ in bad)}); move them away to start afresh",
+                    path=root,
+                )
+        return intact[::-1]
     if not isinstance(resume, (str, os.PathLike)):
         raise TypeError(f"run: resume must be 'latest', None or a path, got {resume!r}")
     path = Path(resume)
     try:
-        ckpt.read_metadata(path)
-    except (OSError, ValueError) as e:
-        raise type(e)(f"run: resume={str(resume)!r} is not a checkpoint: {e}") from e
-    return path
+        at = _step(path)
+    except ckpt.CheckpointError as e:
+        raise type(e)(f"run: resume={str(resume)!r} is not a checkpoint: {e}", **e.details()) from e
+    if root is not None:
+        newer = [
+            p for p in ckpt.checkpoints(root) if _step(p) > at and p.absolute() != path.absolute()
+        ]
+        newer += [p for p, _ in ckpt.damaged(root) if _named_after(p, at)]
+        if newer:
+            raise ValueError(
+                f"run: resume={str(resume)!r} is at step {at}, but checkpoint_dir {str(root)!r} "
+                f"holds later checkpoints ({', '.join(sorted(p.name for p in newer))}); resuming "
+                "there would replace them and drop their metric records. To branch from step "
+                f"{at}, pass a new checkpoint_dir (resume may point into this one); to continue "
+                "the run, pass resume='latest'"
+            )
+    return [path]
+
+
+def _named_after(p: Path, step: int) -> bool:
+    """Whether ``p`` is named like a loop checkpoint of a step after ``step``."""
+    name = p.name
+    return name.startswith("step_") and name[5:].isdigit() and int(name[5:]) > step
+
+
+def restore_any(
+    sources: list[Path], state: TensorDictBase, stream: DataStream
+) -> tuple[TensorDictBase, Path]:
+    """:func:`restore` from the first of ``sources`` that loads; a damaged one is skipped (warned).
+
+    Only ``resume='latest'`` passes several sources; the last one's error is raised.
+    """
+    for i, path in enumerate(sources):
+        try:
+            return restore(path, state, stream), path
+        except ckpt.CheckpointCorruptError as e:
+            if i == len(sources) - 1:
+                raise
+            _warn(f"run: resume='latest' skips damaged checkpoint {path.name}: {e}")
+    raise AssertionError("restore_any needs at least one source")  # pragma: no cover
 
 
 def _has_bound_params(state: TensorDictBase) -> bool:
@@ -85,8 +153,10 @@ def restore(path: Path, state: TensorDictBase, stream: DataStream) -> TensorDict
         like.set(LOOP_KEY, TensorDict({"batches_consumed": _scalar(0)}, []))
     try:
         loaded = ckpt.load(path, like=like, donate=_has_bound_params(state))
-    except ValueError as e:
-        raise ValueError(f"run: cannot resume from {path}: {e}") from e
+    except ckpt.CheckpointMismatchError as e:
+        raise ckpt.CheckpointMismatchError(
+            f"run: cannot resume from {path}: {e}", **e.details()
+        ) from e
     if has_loop:
         consumed = int(loaded.get((LOOP_KEY, "batches_consumed")))
         loaded = loaded.exclude(LOOP_KEY)
@@ -142,19 +212,45 @@ def save(
 
     With ``async_`` the save is staged and written in the background (see
     :func:`purestep.checkpoint.save`); the prune then counts only complete
-    checkpoints, so ``keep_last + 1`` may exist until the next save.
+    checkpoints, so ``keep_last + 1`` may exist until the next save. A damaged
+    checkpoint already at that path (one that ``resume='latest'`` skipped) is
+    renamed to ``<name>.damaged-<token>`` first and kept; the save never
+    replaces an existing checkpoint (another job writing the same directory
+    makes it fail with :class:`purestep.checkpoint.CheckpointExistsError`).
     """
     full = state.copy()
     full.set(LOOP_KEY, TensorDict({"batches_consumed": _scalar(stream.consumed)}, []))
     path = ckpt.step_dir(root, step)
+    if rank() == 0:
+        _set_damaged_aside(path)
     ckpt.save(
         full,
         path,
         async_=async_,
         per_rank=TensorDict({LOOP_KEY: stream.per_rank()}, []),
         metadata={"loop": {"batches_consumed": stream.consumed}},
-        overwrite=True,
     )
     if rank() == 0:
         ckpt.prune(root, keep_last)
     return path
+
+
+def _set_damaged_aside(path: Path) -> None:
+    """Rename a damaged purestep checkpoint at ``path`` to ``<name>.damaged-<token>`` (kept)."""
+    if not os.path.lexists(path):
+        return
+    why = dict(ckpt.damaged(path.parent)).get(path)
+    if why is None and ckpt.is_complete(path):
+        try:  # rare: a checkpoint at a step being saved again, as after resume skipped it
+            ckpt.verify(path)
+        except ckpt.CheckpointCorruptError as e:
+            why = str(e)
+    if why is None:
+        return  # intact, or not purestep's: save refuses it, naming it
+    aside = path.with_name(f"{path.name}.damaged-{uuid.uuid4().hex[:12]}")
+    os.rename(path, aside)
+    warnings.warn(
+        f"run: renamed the damaged checkpoint {path.name} to {aside.name} (kept) to save a new "
+        f"{path.name}; it was damaged: {why}",
+        stacklevel=4,
+    )

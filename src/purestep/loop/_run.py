@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import datetime
 import importlib
 import os
 import re
@@ -13,15 +14,22 @@ from typing import Any, cast
 from tensordict import TensorDict, TensorDictBase
 
 from purestep.distributed import checkpoint as ckpt
-from purestep.loop._checkpointing import LOOP_KEY, probe_writable, restore, resume_source, save
+from purestep.loop._checkpointing import (
+    LOOP_KEY,
+    probe_writable,
+    restore_any,
+    resume_sources,
+    save,
+)
 from purestep.loop._checkpointing import rank as _rank
+from purestep.loop._collectives import CollectiveTimeoutError, guard_collectives
 from purestep.loop._data import DataStream
 from purestep.loop._metrics import MetricBuffer
 from purestep.loop._signals import StopSignal
 from purestep.loop._sinks import Sink, check_sinks, make_sinks
 from purestep.step import as_batch
 
-__all__ = ["LOOP_KEY", "BatchKeyError", "Preempted", "run"]
+__all__ = ["LOOP_KEY", "BatchKeyError", "CollectiveTimeoutError", "Preempted", "run"]
 
 StepLike = Callable[[TensorDictBase, Any], tuple[TensorDictBase, Any]]
 EvalFn = Callable[[TensorDictBase], Mapping[str, Any] | TensorDictBase]
@@ -75,6 +83,19 @@ def _check_int(name: str, value: Any, minimum: int, *, optional: bool = False) -
         return
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"run: {name} must be an int >= {minimum}, got {value!r}")
+
+
+def _check_timeout(value: Any) -> None:
+    if value is None:
+        return
+    if isinstance(value, datetime.timedelta):
+        seconds = value.total_seconds()
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        seconds = float(value)
+    else:
+        raise TypeError(f"run: collective_timeout must be seconds or a timedelta, got {value!r}")
+    if not seconds > 0:
+        raise ValueError(f"run: collective_timeout must be positive, got {value!r}")
 
 
 _TD_MISSING = re.compile(r'key "(.+?)" not found in \w+ with keys \[(.*)\]', re.S)
@@ -172,6 +193,7 @@ def run(
     progress: bool = True,
     desc: str = "train",
     async_save: bool = False,
+    collective_timeout: float | datetime.timedelta | None = None,
 ) -> TensorDict:
     """Train ``state`` with ``step`` until ``state["step"] == num_steps``; returns the final state.
 
@@ -189,10 +211,16 @@ def run(
         save_every: save every this many steps (and at the last step, and on
             preemption); ``None``: only at the last step and on preemption.
         keep_last: keep this many newest checkpoints (older ones are pruned).
-        resume: ``"latest"``: continue from the newest complete checkpoint in
-            ``checkpoint_dir`` (from scratch if there is none); a path: from that
-            checkpoint; ``None``: from scratch (an error if ``checkpoint_dir``
-            already holds checkpoints).
+        resume: ``"latest"``: continue from the newest intact checkpoint in
+            ``checkpoint_dir`` (from scratch if there is none); damaged or
+            incomplete ones are skipped with a warning naming them (a damaged
+            one is renamed ``<name>.damaged-<token>`` and kept when its step is
+            saved again). A path: from that checkpoint; if ``checkpoint_dir``
+            holds later checkpoints this is refused (``ValueError``): resuming
+            there would replace them and drop their metric records, so to
+            branch from an older checkpoint pass a new ``checkpoint_dir``
+            (``resume`` may point into the old one). ``None``: from scratch (an
+            error if ``checkpoint_dir`` already holds checkpoints).
         log_every: a log point every this many steps, and also at every
             checkpoint, the last step and a preemption.
         sinks: ``"jsonl"`` (``checkpoint_dir/metrics.jsonl``), ``"csv"``
@@ -210,6 +238,14 @@ def run(
             only while the state is copied to CPU buffers. The last step's and a
             preemption's checkpoints are written synchronously, so every
             checkpoint is complete when ``run`` returns or raises.
+        collective_timeout: with a process group, the default group's
+            collective timeout during the run (seconds or a ``timedelta``;
+            ``None`` keeps the group's own, which torch sets to 30 minutes
+            unless ``init_process_group(timeout=...)`` says otherwise). A rank
+            that hangs then ends the job: the ranks waiting for it raise
+            :class:`CollectiveTimeoutError` after this long (a rank that dies
+            ends it at once). Choose it above the slowest legitimate wait
+            (the first step's compilation, a long evaluation).
 
     Metrics: a step's metrics stay on device until a log point; the record then
     holds each metric's mean over the steps since the previous log point that
@@ -239,10 +275,14 @@ def run(
     raises :class:`Preempted` (a ``SystemExit``). A second signal acts at once.
 
     Raises:
-        ValueError: a bad argument, a ``resume`` path that is not a checkpoint,
-            a checkpoint whose keys do not match the state (all listed), data
-            that yields no batches.
+        ValueError: a bad argument, a ``resume`` path older than checkpoints in
+            ``checkpoint_dir``, data that yields no batches.
+        purestep.checkpoint.CheckpointError: a ``resume`` path that is not a
+            checkpoint, a checkpoint whose keys do not match the state (all
+            listed; a ``ValueError`` too), a failed save; see ``docs/errors.md``.
         OSError: ``checkpoint_dir`` is not writable.
+        CollectiveTimeoutError: a collective waited longer than its timeout
+            (see ``collective_timeout``).
         BatchKeyError: the step read a key the batch does not have (named).
         Preempted: on SIGTERM / SIGINT.
 
@@ -275,6 +315,7 @@ def run(
     if not isinstance(state, TensorDictBase):
         raise TypeError(f"run: state is a {type(state).__name__}; expected a TensorDict")
     check_sinks(sinks)
+    _check_timeout(collective_timeout)
     rank = _rank()
     prepare = getattr(step, "prepare", None)
     if callable(prepare):
@@ -286,84 +327,93 @@ def run(
     root = None if checkpoint_dir is None else Path(checkpoint_dir)
     if root is not None:
         probe_writable(root, rank)
-    stream = DataStream(data)
-    stream.check_state()
-    source = resume_source(resume, root)
-    if source is not None:
-        state = restore(source, state, stream)
-    s = int(state.get("step"))
-    if s > num_steps:
-        raise ValueError(f"run: resumed at step {s}, past num_steps={num_steps}")
-    out_sinks = make_sinks(sinks, root) if rank == 0 else []
-    bar = None
-    try:
-        for sink in out_sinks:
-            if callable(start := getattr(sink, "start", None)):
-                start(s)
-        bar = _progress_bar(progress and rank == 0, s, num_steps, desc)
-
-        def emit(at: int, record: dict[str, float]) -> None:
+    phase = ["while resuming"]
+    with guard_collectives(collective_timeout, lambda: phase[0]):
+        stream = DataStream(data)
+        stream.check_state()
+        sources = resume_sources(resume, root)
+        source = None
+        if sources:
+            state, source = restore_any(sources, state, stream)
+        s = int(state.get("step"))
+        if s > num_steps:
+            raise ValueError(f"run: resumed at step {s}, past num_steps={num_steps}")
+        out_sinks = make_sinks(sinks, root) if rank == 0 else []
+        bar = None
+        try:
             for sink in out_sinks:
-                sink(at, record)
-            if bar is not None:
-                bar.set_postfix(_short(record), refresh=False)
+                if callable(start := getattr(sink, "start", None)):
+                    start(s)
+            bar = _progress_bar(progress and rank == 0, s, num_steps, desc)
 
-        buf = MetricBuffer()
-
-        def take() -> dict[str, float]:
-            if rank == 0:
-                return buf.pop()
-            buf.clear()  # only rank 0 logs: no host read elsewhere
-            return {}
-
-        saved_at = s if source is not None else -1
-        with StopSignal() as stop:
-            while s < num_steps:
-                state, metrics = _call(step, state, _to_batch(stream.next(), s), s)
-                new = int(state.get("step"))
-                if new <= s:
-                    raise RuntimeError(
-                        f"run: the step did not advance state['step'] (was {s}, now {new})"
-                    )
-                buf.add(metrics)
-                prev, s = s, new
-                final = s >= num_steps
-                save_now = root is not None and (
-                    final or (save_every is not None and _crossed(prev, s, save_every))
-                )
-                record = take() if (final or save_now or _crossed(prev, s, log_every)) else {}
-                if eval_fn is not None and (
-                    _crossed(prev, s, eval_every) if eval_every is not None else final
-                ):
-                    record.update(_evaluate(eval_fn, state))
-                if record:
-                    emit(s, record)
+            def emit(at: int, record: dict[str, float]) -> None:
+                for sink in out_sinks:
+                    sink(at, record)
                 if bar is not None:
-                    bar.update(s - prev)
-                if save_now:
-                    assert root is not None
-                    save(root, state, stream, s, keep_last, async_=async_save and not final)
-                    saved_at = s
-                signum = stop.poll()
-                if signum and not final:
-                    if buf and (record := take()):
+                    bar.set_postfix(_short(record), refresh=False)
+
+            buf = MetricBuffer()
+
+            def take() -> dict[str, float]:
+                if rank == 0:
+                    return buf.pop()
+                buf.clear()  # only rank 0 logs: no host read elsewhere
+                return {}
+
+            saved_at = s if source is not None else -1
+            with StopSignal() as stop:
+                while s < num_steps:
+                    phase[0] = f"in step {s + 1} (state['step'] was {s})"
+                    state, metrics = _call(step, state, _to_batch(stream.next(), s), s)
+                    new = int(state.get("step"))
+                    if new <= s:
+                        raise RuntimeError(
+                            f"run: the step did not advance state['step'] (was {s}, now {new})"
+                        )
+                    buf.add(metrics)
+                    prev, s = s, new
+                    final = s >= num_steps
+                    save_now = root is not None and (
+                        final or (save_every is not None and _crossed(prev, s, save_every))
+                    )
+                    record = take() if (final or save_now or _crossed(prev, s, log_every)) else {}
+                    if eval_fn is not None and (
+                        _crossed(prev, s, eval_every) if eval_every is not None else final
+                    ):
+                        phase[0] = f"in eval_fn at step {s}"
+                        record.update(_evaluate(eval_fn, state))
+                    if record:
                         emit(s, record)
-                    path = None
-                    if root is not None:
-                        path = ckpt.step_dir(root, s)
-                        if saved_at != s:
-                            save(root, state, stream, s, keep_last)
-                        ckpt.wait_pending()  # an async save of this very step completes first
-                    raise Preempted(state, signum, path)
-    except BaseException:
-        if async_save:  # the run failed with a save in flight: let it finish (its error is moot)
-            with contextlib.suppress(Exception):
-                ckpt.wait_pending()
-        raise
-    finally:
-        for sink in out_sinks:
-            if callable(close := getattr(sink, "close", None)):
-                close()
-        if bar is not None:
-            bar.close()
-    return cast(TensorDict, state)
+                    if bar is not None:
+                        bar.update(s - prev)
+                    if save_now:
+                        assert root is not None
+                        phase[0] = f"while saving the checkpoint of step {s}"
+                        save(root, state, stream, s, keep_last, async_=async_save and not final)
+                        saved_at = s
+                    phase[0] = f"after step {s} (agreeing on stop signals)"
+                    signum = stop.poll()
+                    if signum and not final:
+                        if buf and (record := take()):
+                            emit(s, record)
+                        path = None
+                        if root is not None:
+                            path = ckpt.step_dir(root, s)
+                            if saved_at != s:
+                                save(root, state, stream, s, keep_last)
+                            ckpt.wait_pending()  # an async save of this very step completes first
+                        raise Preempted(state, signum, path)
+        except BaseException:
+            if (
+                async_save
+            ):  # the run failed with a save in flight: let it finish (its error is moot)
+                with contextlib.suppress(Exception):
+                    ckpt.wait_pending()
+            raise
+        finally:
+            for sink in out_sinks:
+                if callable(close := getattr(sink, "close", None)):
+                    close()
+            if bar is not None:
+                bar.close()
+        return cast(TensorDict, state)
