@@ -22,6 +22,11 @@ from purestep.testing.checks import (
     assert_resume_exact,
     run_steps,
 )
+from purestep.testing.imperative import (
+    ImperativeLoss,
+    assert_matches_imperative,
+    torch_optimizer_for,
+)
 from purestep.testing.strategies import (
     adam_hparams,
     batches,
@@ -33,6 +38,7 @@ from purestep.testing.strategies import (
 from purestep.testing.workers import WorkerError, WorkerPool
 
 __all__ = [
+    "ImperativeLoss",
     "WorkerError",
     "WorkerPool",
     "adam_hparams",
@@ -40,6 +46,7 @@ __all__ = [
     "assert_cadence",
     "assert_deterministic",
     "assert_donation_safe",
+    "assert_matches_imperative",
     "assert_pure",
     "assert_resume_exact",
     "assert_trees_close",
@@ -51,4 +58,5 @@ __all__ = [
     "snapshot",
     "states",
     "tensors",
+    "torch_optimizer_for",
 ]
