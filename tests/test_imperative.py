@@ -193,3 +193,11 @@ def test_derived_torch_optimizers_have_the_same_hyperparameters() -> None:
     assert sgd.defaults["fused"] is False and sgd.defaults["foreach"] is True
     with pytest.raises(ValueError, match="chain"):
         testing.torch_optimizer_for(optim.chain(optim.clip_by_global_norm(1.0), optim.sgd(0.1)))
+
+
+def test_a_model_with_dropout_mismatches_with_a_hint_about_the_global_rng() -> None:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 8), nn.Dropout(0.5), nn.Linear(8, 2))
+    with pytest.raises(AssertionError, match=r"after step 0.*global RNG"):
+        testing.assert_matches_imperative(net, _mse, optim.sgd(0.1), _batches())
+    testing.assert_matches_imperative(net.eval(), _mse, optim.sgd(0.1), _batches())

@@ -329,7 +329,14 @@ def assert_matches_imperative(
     before = _variables(model)
     own = _own_tensors(model)
     make_opt = torch_optimizer if torch_optimizer is not None else torch_optimizer_for(optimizer)
+    rng_before = torch.get_rng_state()
     expected = _imperative_run(reference, loss, make_opt, [snapshot(b) for b in seq], accumulate)
+    hint = (
+        ""
+        if torch.equal(torch.get_rng_state(), rng_before)
+        else " (note: the imperative loop drew from torch's global RNG, e.g. dropout; such "
+        "draws differ between the two sides: use dropout 0 or model.eval() for this check)"
+    )
     want_buffers = "buffers" in before.keys()
 
     compare: Callable[..., None]
@@ -351,10 +358,10 @@ def assert_matches_imperative(
     for label, fn in runs:
         prep = getattr(fn, "prepare", None)
         s = snapshot(prep(state) if prep is not None else state)
-        _check(compare, s, role, want_buffers, before, f"{label}, initial state")
+        _check(compare, s, role, want_buffers, before, f"{label}, initial state", "")
         for i, batch in enumerate(seq):
             s, _ = fn(s, snapshot(batch))
-            _check(compare, s, role, want_buffers, expected[i], f"{label}, after step {i}")
+            _check(compare, s, role, want_buffers, expected[i], f"{label}, after step {i}", hint)
     assert_trees_equal(
         _own_tensors(model),
         own,
@@ -370,15 +377,19 @@ def _check(
     want_buffers: bool,
     expected: TensorDict,
     where: str,
+    hint: str,
 ) -> None:
     actual = _state_variables(state, role, want_buffers)
     if not want_buffers and "buffers" in actual.keys():
         del actual["buffers"]
-    compare(
-        actual,
-        expected,
-        what=f"assert_matches_imperative ({where}): purestep vs the imperative loop",
-    )
+    try:
+        compare(
+            actual,
+            expected,
+            what=f"assert_matches_imperative ({where}): purestep vs the imperative loop",
+        )
+    except AssertionError as e:
+        raise AssertionError(f"{e}{hint}") from None
 
 
 def _own_tensors(model: nn.Module) -> TensorDict:
