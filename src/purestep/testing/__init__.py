@@ -28,8 +28,11 @@ from purestep.testing.imperative import (
     torch_optimizer_for,
 )
 from purestep.testing.strategies import (
+    DrawnModel,
+    ModelSpec,
     adam_hparams,
     batches,
+    models,
     param_trees,
     sgd_hparams,
     states,
@@ -38,7 +41,9 @@ from purestep.testing.strategies import (
 from purestep.testing.workers import WorkerError, WorkerPool
 
 __all__ = [
+    "DrawnModel",
     "ImperativeLoss",
+    "ModelSpec",
     "WorkerError",
     "WorkerPool",
     "adam_hparams",
@@ -52,6 +57,7 @@ __all__ = [
     "assert_trees_close",
     "assert_trees_equal",
     "batches",
+    "models",
     "param_trees",
     "run_steps",
     "sgd_hparams",
