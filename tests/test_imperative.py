@@ -201,3 +201,19 @@ def test_a_model_with_dropout_mismatches_with_a_hint_about_the_global_rng() -> N
     with pytest.raises(AssertionError, match=r"after step 0.*global RNG"):
         testing.assert_matches_imperative(net, _mse, optim.sgd(0.1), _batches())
     testing.assert_matches_imperative(net.eval(), _mse, optim.sgd(0.1), _batches())
+
+
+def test_a_non_donating_step_that_writes_into_its_input_state_is_caught() -> None:
+    net = _mlp()
+    inner = ps.train_step(ps.value_and_grad(_loss_fn(net, _mse)), {"model": optim.sgd(0.1)})
+
+    class Leaky:
+        donate = False  # promises purity, as train_step(donate=False) does
+
+        def __call__(self, state: TensorDictBase, batch: Any) -> Any:
+            out = inner(state, batch)
+            state["params", "model", "2", "bias"].zero_()
+            return out
+
+    with pytest.raises(AssertionError, match=r"step 0\): the input state.*params\.model\.2\.bias"):
+        testing.assert_matches_imperative(net, _mse, optim.sgd(0.1), _batches(), step=Leaky())

@@ -108,3 +108,42 @@ def test_drawn_models_have_the_patterns_they_were_drawn_with() -> None:
     assert m.branch.weight.grad is None
     with pytest.raises(ValueError, match="unknown block kind 'lstm'"):
         ModelSpec(blocks=("lstm",))
+
+
+class _RenormEmbedding(torch.nn.Module):
+    """``nn.Embedding(max_norm=1)`` renormalises the rows it looks up, in place, in forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.emb = torch.nn.Embedding(10, 4, max_norm=1.0, _weight=torch.randn(10, 4, generator=g))
+        self.head = torch.nn.Linear(4, 1, device="meta").to_empty(device="cpu")
+        with torch.no_grad():
+            self.head.weight.copy_(torch.randn(1, 4, generator=g))
+            self.head.bias.zero_()
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.head(self.emb(ids)).squeeze(-1)
+        return out
+
+
+def test_a_forward_that_writes_into_its_weights_matches_or_is_refused_by_name() -> None:
+    """Embedding(max_norm=...) writes into its weight during forward: purestep must either
+    train it as the imperative loop does or refuse with an error naming the module."""
+    model = _RenormEmbedding()
+    g = torch.Generator().manual_seed(1)
+    batches = [
+        {"ids": torch.randint(0, 10, (4, 3), generator=g), "y": torch.randn(4, 3, generator=g)}
+        for _ in range(3)
+    ]
+
+    def loss(forward: Callable[..., Any], batch: TensorDictBase) -> torch.Tensor:
+        return ((forward(batch["ids"]) - batch["y"]) ** 2).mean()
+
+    try:
+        testing.assert_matches_imperative(model, loss, OPTIMIZERS["sgd"], batches)
+    except (ValueError, RuntimeError, TypeError) as e:
+        refusal = str(e)
+    else:
+        return
+    assert "emb" in refusal, f"refused without naming the module: {refusal}"

@@ -277,8 +277,9 @@ def assert_matches_imperative(
     from ``state`` (default: ``init_state({role: model}, {role: optimizer}, seed=seed)``).
     After every step the role's params (and persistent buffers, e.g. BatchNorm
     statistics) must equal the imperative module's, bitwise unless ``rtol`` or
-    ``atol`` is given; the initial state must equal the module. Afterwards the
-    module's own tensors must be unchanged by the purestep runs.
+    ``atol`` is given; the initial state must equal the module. A step that does
+    not donate (``step.donate is False``) must leave its input state unchanged,
+    and afterwards the module's own tensors must be unchanged by the purestep runs.
 
     Both sides see the same batches: each is converted with
     :func:`purestep.step.as_batch` and gets ``"index"`` first, and microbatches
@@ -359,8 +360,18 @@ def assert_matches_imperative(
         prep = getattr(fn, "prepare", None)
         s = snapshot(prep(state) if prep is not None else state)
         _check(compare, s, role, want_buffers, before, f"{label}, initial state", "")
+        pure = getattr(fn, "donate", None) is False  # a step that promises not to donate
         for i, batch in enumerate(seq):
-            s, _ = fn(s, snapshot(batch))
+            keep = snapshot(s) if pure else None
+            new, _ = fn(s, snapshot(batch))
+            if keep is not None:
+                assert_trees_equal(
+                    s,
+                    keep,
+                    what=f"assert_matches_imperative ({label}, step {i}): the input state "
+                    "of a donate=False step after the step (the step wrote into it)",
+                )
+            s = new
             _check(compare, s, role, want_buffers, expected[i], f"{label}, after step {i}", hint)
     assert_trees_equal(
         _own_tensors(model),
