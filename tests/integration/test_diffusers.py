@@ -18,6 +18,7 @@ from torch import nn
 
 from purestep import optim, testing
 
+pytestmark = pytest.mark.integration
 diffusers = pytest.importorskip("diffusers")
 
 OPT = optim.adamw(1e-2, weight_decay=0.1)

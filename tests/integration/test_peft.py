@@ -14,6 +14,7 @@ from torch import nn
 import purestep as ps
 from purestep import optim, testing
 
+pytestmark = pytest.mark.integration
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 

@@ -19,6 +19,7 @@ from torch import nn
 import purestep as ps
 from purestep import optim, testing
 
+pytestmark = pytest.mark.integration
 timm = pytest.importorskip("timm")
 
 OPT = optim.adamw(1e-2, weight_decay=0.1)

@@ -21,6 +21,7 @@ from torch import nn
 import purestep as ps
 from purestep import optim, testing
 
+pytestmark = pytest.mark.integration
 transformers = pytest.importorskip("transformers")
 
 OPT = optim.adamw(1e-2, weight_decay=0.1)
