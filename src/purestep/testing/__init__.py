@@ -22,9 +22,17 @@ from purestep.testing.checks import (
     assert_resume_exact,
     run_steps,
 )
+from purestep.testing.imperative import (
+    ImperativeLoss,
+    assert_matches_imperative,
+    torch_optimizer_for,
+)
 from purestep.testing.strategies import (
+    DrawnModel,
+    ModelSpec,
     adam_hparams,
     batches,
+    models,
     param_trees,
     sgd_hparams,
     states,
@@ -33,6 +41,9 @@ from purestep.testing.strategies import (
 from purestep.testing.workers import WorkerError, WorkerPool
 
 __all__ = [
+    "DrawnModel",
+    "ImperativeLoss",
+    "ModelSpec",
     "WorkerError",
     "WorkerPool",
     "adam_hparams",
@@ -40,15 +51,18 @@ __all__ = [
     "assert_cadence",
     "assert_deterministic",
     "assert_donation_safe",
+    "assert_matches_imperative",
     "assert_pure",
     "assert_resume_exact",
     "assert_trees_close",
     "assert_trees_equal",
     "batches",
+    "models",
     "param_trees",
     "run_steps",
     "sgd_hparams",
     "snapshot",
     "states",
     "tensors",
+    "torch_optimizer_for",
 ]

@@ -1,4 +1,4 @@
-"""Hypothesis strategies for params, batches, hyperparameters and states.
+"""Hypothesis strategies for params, batches, hyperparameters, states and models.
 
 Tensor values are generated from a drawn seed with a local ``torch.Generator``
 (fast, shrinkable through the seed), never from the global RNG.
@@ -15,10 +15,14 @@ from tensordict import TensorDict
 from torch import nn
 
 from purestep.optim import Transform
+from purestep.testing._drawn_model import BLOCK_KINDS, LAYOUTS, UNUSED, DrawnModel, ModelSpec
 
 __all__ = [
+    "DrawnModel",
+    "ModelSpec",
     "adam_hparams",
     "batches",
+    "models",
     "param_trees",
     "sgd_hparams",
     "states",
@@ -202,3 +206,56 @@ def states(
         dict.fromkeys(roles, opt),
         seed=draw(seed if seed is not None else st.integers(0, 2**62)),
     )
+
+
+def _fixed_or_drawn(draw: st.DrawFn, value: Any, options: Sequence[Any]) -> Any:
+    if value is None:
+        return draw(st.sampled_from(list(options)))
+    if isinstance(value, st.SearchStrategy):
+        return draw(value)
+    return value
+
+
+@st.composite
+def models(
+    draw: st.DrawFn,
+    *,
+    blocks: Sequence[str] | st.SearchStrategy[Sequence[str]] | None = None,
+    tied: bool | st.SearchStrategy[bool] | None = None,
+    unused: str | st.SearchStrategy[str] | None = None,
+    layout: str | st.SearchStrategy[str] | None = None,
+    max_blocks: int = 3,
+) -> DrawnModel:
+    """Small modules with the patterns real models have (a :class:`DrawnModel`).
+
+    Each pattern is drawn unless fixed: conv-stage ``blocks`` (BatchNorm
+    buffers, activation-checkpointed blocks in both reentrant modes, a
+    submodule used twice, plain convs), ``tied`` weights, an ``unused`` branch
+    (``"never"``/``"sometimes"`` gets no gradient), and the conv ``layout``
+    (contiguous, channels_last input, channels_last weights and input).
+    Weights come from a drawn seed; the global RNG is not used. Train on
+    batches with ``batches(B, fields=model.batch_fields)`` (``x``, ``y``).
+
+    Example:
+        >>> from hypothesis import given
+        >>> @given(models(tied=True))
+        ... def test(m):
+        ...     assert m.tied_a.weight is m.tied_b.weight
+    """
+    kinds = (
+        draw(st.lists(st.sampled_from(BLOCK_KINDS), max_size=max_blocks))
+        if blocks is None
+        else (draw(blocks) if isinstance(blocks, st.SearchStrategy) else blocks)
+    )
+    spec = ModelSpec(
+        blocks=tuple(kinds),  # type: ignore[arg-type]  # validated by ModelSpec
+        tied=_fixed_or_drawn(draw, tied, (False, True)),
+        unused=_fixed_or_drawn(draw, unused, UNUSED),
+        layout=_fixed_or_drawn(draw, layout, LAYOUTS),
+        channels=draw(st.integers(2, 4)),
+        size=draw(st.integers(3, 5)),
+        hidden=draw(st.integers(3, 8)),
+        outputs=draw(st.integers(1, 3)),
+        seed=draw(st.integers(0, 2**31 - 1)),
+    )
+    return DrawnModel(spec)
