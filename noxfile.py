@@ -99,4 +99,12 @@ def tests(session: nox.Session, stack: str) -> None:
     session.install("--no-compile", "torch", "tensordict", env=env)
     session.install("--no-compile", "-e", ".[test]", env=env)
     session.run("python", "-c", _CHECK.format(want=pins, floor=NEWEST_KNOWN))
+    # Byte-compile what the two-process tests import now, once: otherwise both
+    # workers compile it at their first import, which on a loaded machine ran past
+    # the workers' 120 s start timeout (19 FSDP tests errored that way).
+    session.run(
+        "python",
+        "-c",
+        "import torch.distributed.checkpoint, torch.distributed.fsdp, tensordict, purestep",
+    )
     session.run("pytest", *(session.posargs or PYTEST_ARGS))
