@@ -485,6 +485,35 @@ def test_fsdp_marks_every_managed_module() -> None:
             dist.destroy_process_group()
 
 
+def test_process_group_timeout_is_readable_and_settable() -> None:
+    """``_get_backend(device).options._timeout`` reads a group's timeout; ``_set_pg_timeout``
+    changes it (what ``loop.run(collective_timeout=)`` relies on)."""
+    if not dist.is_available() or dist.is_initialized():
+        pytest.skip("needs torch.distributed and no process group in this process")
+    import datetime
+
+    from purestep.distributed import timeouts
+
+    name = (
+        "Process-group timeouts: ProcessGroup._get_backend(device).options._timeout, "
+        "distributed_c10d._set_pg_timeout"
+    )
+    with internal(name):
+        dist.init_process_group(
+            "gloo",
+            rank=0,
+            world_size=1,
+            store=dist.HashStore(),
+            timeout=datetime.timedelta(seconds=77),
+        )
+        try:
+            assert timeouts.get_timeout() == datetime.timedelta(seconds=77), "read back"
+            timeouts.set_timeout(12.0)
+            assert timeouts.get_timeout() == datetime.timedelta(seconds=12), "set, then read"
+        finally:
+            dist.destroy_process_group()
+
+
 def test_non_zip_torch_save_record_is_torch_loadable_and_ends_with_the_raw_data() -> None:
     """``torch.save(t, f, _use_new_zipfile_serialization=False)``: the layout RAW_TAIL names.
 
@@ -578,18 +607,11 @@ def test_dcp_reads_purestep_records_and_purestep_reads_dcp_records(tmp_path: Pat
     with internal("DCP: FileSystemReader.storage_data (RecordReader on a stock checkpoint)"):
         out = {k: torch.zeros_like(v) for k, v in state.items()}
         _one_process_dcp(lambda: dcp.save(state, checkpoint_id=tmp_path / "stock", no_dist=True))
-        for raw_tail in (False, True):
-            _one_process_dcp(
-                lambda raw_tail=raw_tail: dcp.load(
-                    out,
-                    storage_reader=RecordReader(tmp_path / "stock", raw_tail=raw_tail),
-                    no_dist=True,
-                )
-            )
-            for k, v in state.items():
-                assert torch.equal(out[k], v), (
-                    f"{k} differs after RecordReader(raw_tail={raw_tail})"
-                )
+        _one_process_dcp(
+            lambda: dcp.load(out, storage_reader=RecordReader(tmp_path / "stock"), no_dist=True)
+        )
+        for k, v in state.items():
+            assert torch.equal(out[k], v), f"{k} differs after RecordReader on a stock checkpoint"
 
 
 # --- the canaries themselves ------------------------------------------------------------------
