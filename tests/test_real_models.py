@@ -25,14 +25,6 @@ from purestep import testing
 
 BATCHES = regression_batches(4, 4, 6, 6)
 
-# torch < 2.13 refuses reentrant checkpointing under autograd.grad / backward(inputs=)
-# with its own RuntimeError (found by the version matrix on torch 2.11; see README,
-# "Supported versions").
-_REENTRANT_OK = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
-_NEEDS_REENTRANT = pytest.mark.skipif(
-    not _REENTRANT_OK, reason="reentrant checkpointing with purestep needs torch >= 2.13"
-)
-
 
 # 1. tied and shared parameters ---------------------------------------------------------
 
@@ -166,7 +158,7 @@ class Checkpointed(nn.Module):
         return self.c(h)  # type: ignore[no-any-return]
 
 
-@pytest.mark.parametrize("reentrant", [False, pytest.param(True, marks=_NEEDS_REENTRANT)])
+@pytest.mark.parametrize("reentrant", [False, True])
 @pytest.mark.parametrize("k", [1, 2])
 def test_activation_checkpointing_recomputes_with_the_swapped_params(
     reentrant: bool, k: int
@@ -176,7 +168,6 @@ def test_activation_checkpointing_recomputes_with_the_swapped_params(
     assert_same_as_imperative(lambda: Checkpointed(reentrant), BATCHES, mse, k=k)
 
 
-@_NEEDS_REENTRANT
 def test_reentrant_checkpointing_leaves_other_tensors_grads_alone() -> None:
     """The backward without inputs= (reentrant checkpoints) puts foreign .grad back as it was."""
     net = Checkpointed(reentrant=True)

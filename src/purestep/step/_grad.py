@@ -207,13 +207,15 @@ def _collect_buffers(view: TensorDictBase, buffers: TensorDictBase, params: Tens
 
 
 def _walk_graph(roots: Sequence[torch.Tensor]) -> Any:
-    seen: set[int] = set()
+    # ``seen`` keeps the node objects alive: torch < 2.13 wraps C++ nodes in fresh Python
+    # objects on every access, so a bare id() could be reused by the next wrapper.
+    seen: dict[int, Any] = {}
     stack = [r.grad_fn for r in roots if r.grad_fn is not None]
     while stack:
         fn = stack.pop()
         if fn is None or id(fn) in seen:
             continue
-        seen.add(id(fn))
+        seen[id(fn)] = fn
         yield fn
         stack.extend(f for f, _ in fn.next_functions if f is not None)
 
