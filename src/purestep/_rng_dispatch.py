@@ -17,6 +17,7 @@ Example:
 
 from __future__ import annotations
 
+import importlib
 import math
 import os
 import warnings
@@ -107,9 +108,9 @@ def kernels(dev: torch.device) -> ModuleType | None:
         _FUSED["tried"] = True
         if os.environ.get(_TRITON_ENV, "1") != "0":
             try:
-                from purestep import _rng_triton
-
-                _FUSED["module"] = _rng_triton
+                # import_module, not ``from purestep import``: the latter reads
+                # a package attribute first and would bypass sys.modules.
+                _FUSED["module"] = importlib.import_module("purestep._rng_triton")
             except ImportError:  # no triton: the eager path
                 pass
             except Exception as e:  # a broken triton install: say so once
