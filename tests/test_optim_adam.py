@@ -365,3 +365,24 @@ def test_half_precision_step_matches_float64_math_on_large_tensors(
     torch.testing.assert_close(new_s["mu", "w"].double(), M, **tol)
     torch.testing.assert_close(new_s["nu", "w"].double(), V, **tol)
     torch.testing.assert_close(new_p["w"].double(), P, **tol)
+
+
+def test_donated_equals_pure_bitwise_on_a_gapped_param() -> None:
+    """Regression: the pure step copied a sliced (gapped) param with ``clone()``, which is
+    contiguous, so the copy took the fused kernel and the donated original the foreach
+    fallback, ~3e-8 apart; the copy now keeps the original's strides."""
+    gen = torch.Generator().manual_seed(0)
+    p0 = torch.randn(2, 2, 2, 2, generator=gen)
+    grads = [torch.randn(2, 2, 2, 2, generator=gen) for _ in range(2)]
+    opt = optim.adamw(lr=0.05)
+
+    def run(donate: bool) -> torch.Tensor:
+        big = torch.zeros(2, 2, 2, 5)
+        big[..., 1:3] = p0
+        params = TensorDict({"w": big[..., 1:3]}, [])  # a view with gaps between rows
+        state = opt.init(params)
+        for g in grads:
+            params, state = opt.step(TensorDict({"w": g.clone()}, []), state, params, donate=donate)
+        return params["w"]
+
+    assert torch.equal(run(True), run(False))
