@@ -52,6 +52,7 @@ COMBINATORS: dict[str, Callable[[], optim.Transform]] = {
     "chain-clip-scale-sgd": lambda: optim.chain(
         optim.clip_by_global_norm(1.0), optim.scale_by_schedule(2.0), optim.sgd(lr=0.01)
     ),
+    "chain-clip-muon": lambda: optim.chain(optim.clip_by_global_norm(0.5), optim.muon(lr=SCHED)),
 }
 ALL = sorted([*ROWS, *COMBINATORS])
 
