@@ -1,24 +1,20 @@
-"""clip_by_global_norm, chain(clip, adamw), scale_by_schedule, and DTensor leaves."""
+"""clip_by_global_norm, chain, scale_by_schedule, and DTensor leaves (the generic transform
+checks, e.g. purity and donation, run on them in test_optim_table.py)."""
 
 from __future__ import annotations
 
-import tempfile
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tensordict import TensorDict
 
+from _optim import as_tree, assert_trees_equal, one_rank_mesh
 from purestep import optim, tree
 from purestep.optim import schedules
-
-
-def as_tree(tensors: list[torch.Tensor]) -> TensorDict:
-    return TensorDict({f"m{i}": {"w": t} for i, t in enumerate(tensors)}, batch_size=[])
 
 
 def randn_list(
@@ -91,7 +87,7 @@ def test_clip_leaves_small_grads_unchanged() -> None:
     """Grads whose global norm is below max_norm are returned unchanged (scale 1)."""
     g = as_tree([torch.tensor([0.3, 0.4])])
     out, state = optim.clip_by_global_norm(1.0).update(g, TensorDict({}, []))
-    assert torch.equal(out["m0", "w"], g["m0", "w"])
+    assert torch.equal(out["head"], g["head"])
     assert float(state["norm"]) == pytest.approx(0.5)
 
 
@@ -109,9 +105,9 @@ def test_scale_by_schedule_multiplies_by_schedule_of_count(donate: bool) -> None
             torch.testing.assert_close(a, b * sched(n))
         assert int(state["count"]) == n + 1
         if not donate:
-            assert torch.equal(src["m0", "w"], g["m0", "w"])
+            assert_trees_equal(src, g)
     out, _ = optim.scale_by_schedule(-0.5).update(g, optim.scale_by_schedule(-0.5).init(g))
-    assert torch.equal(out["m1", "w"], torch.full((2,), -1.0))
+    assert torch.equal(out["head"], torch.full((2,), -1.0))
 
 
 def test_chain_of_scale_by_schedule_is_sgd_with_schedule() -> None:
@@ -130,21 +126,33 @@ def test_chain_of_scale_by_schedule_is_sgd_with_schedule() -> None:
         torch.testing.assert_close(a, b)
 
 
+def test_chain_state_nests_per_transform_and_current_lr_reads_it() -> None:
+    """chain state is {"0": ..., "1": ...}; current_lr finds the lr of the last update."""
+    sched = schedules.warmup_cosine(0.05, 2, 8, init=0.01)
+    opt = optim.chain(optim.clip_by_global_norm(0.5), optim.adamw(lr=sched, weight_decay=0.1))
+    gen = torch.Generator().manual_seed(0)
+    params = as_tree(randn_list([(2,)], gen))
+    state = opt.init(params)
+    assert sorted(state.keys()) == ["0", "1"]
+    assert float(optim.current_lr(state)) == sched(0)  # type: ignore[arg-type]
+    for n in range(4):
+        params, state = opt.step(as_tree(randn_list([(2,)], gen)), state, params)
+        assert float(optim.current_lr(state)) == sched(n)  # type: ignore[arg-type]
+        assert int(state["1", "count"]) == n + 1
+    assert optim.current_lr(optim.clip_by_global_norm(1.0).init(params)) is None
+
+
+@pytest.mark.parametrize("max_norm", [0.0, -1.0, float("inf")])
+def test_bad_max_norm_fails_at_construction_naming_the_field(max_norm: float) -> None:
+    """max_norm must be a finite number > 0; the error starts with the field's name."""
+    with pytest.raises(ValueError, match=r"^max_norm"):
+        optim.clip_by_global_norm(max_norm)
+
+
 @pytest.fixture
 def world1() -> Iterator[Any]:
-    """A one-rank gloo process group and CPU device mesh, for DTensor leaves."""
-    if not dist.is_available():
-        pytest.skip("torch.distributed is not available")
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialized in this process")
-    from torch.distributed.device_mesh import init_device_mesh
-
-    with tempfile.NamedTemporaryFile() as f:
-        dist.init_process_group("gloo", init_method=f"file://{f.name}", rank=0, world_size=1)
-        try:
-            yield init_device_mesh("cpu", (1,))
-        finally:
-            dist.destroy_process_group()
+    with one_rank_mesh() as mesh:
+        yield mesh
 
 
 @pytest.mark.parametrize("donate", [False, True])

@@ -64,8 +64,10 @@ def torch_optimizer_for(optimizer: Transform) -> TorchOptimizerFactory:
     ``optimizer.step()`` (the returned optimizer's ``step`` does that itself).
 
     Raises:
-        ValueError: for transforms without a ``torch.optim`` twin (``lion``,
-            ``chain``, ``clip_by_global_norm``): pass a factory of your own.
+        ValueError: for transforms without a single ``torch.optim`` twin (``lion``,
+            ``chain``, ``clip_by_global_norm``; ``muon``, whose twin is
+            ``torch.optim.Muon`` plus ``AdamW`` split by ``use_muon(path, param)``,
+            which a ``params -> Optimizer`` factory cannot ask): pass a factory of your own.
 
     Example:
         >>> from purestep import optim

@@ -1,0 +1,639 @@
+"""The shared optimizer checks: every row of tests/_optim_rows.py runs through each test here.
+
+The parity tests compare with each row's torch counterpart and reference code
+(tolerances are stated in ``_optim_rows``); the others prove properties every
+optimizer has: pure == donated bitwise, ``update`` tracks ``step``, inputs
+untouched, schedules follow the optimizer's own count, every bad hyperparameter
+names its field, params without a gradient are untouched, gradient layouts do
+not matter, empty trees. The generic transform checks also run on the
+combinators (clip, scale, chains).
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from collections.abc import Callable
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tensordict import TensorDict
+from torch import Tensor, nn
+
+from _optim import (
+    EXACT,
+    STEPS,
+    as_tree,
+    assert_trees_equal,
+    laid_out,
+    make_data,
+    paths,
+    ptrs,
+    run_ours,
+    run_torch,
+    run_updates,
+    shapes_st,
+)
+from _optim_rows import CLOSE, FUSED_ROWS, ROWS, TORCH_KINDS, TORCH_ROWS, Hp, Row, State, Tol
+from purestep import optim, tree
+from purestep.optim import _kernels, schedules
+
+SCHED = schedules.warmup_cosine(0.05, 2, 8, init=0.01)
+
+# Transforms that are not optimizers go through the generic checks as they are.
+COMBINATORS: dict[str, Callable[[], optim.Transform]] = {
+    "clip": lambda: optim.clip_by_global_norm(0.5),
+    "scale": lambda: optim.scale_by_schedule(lambda n: -SCHED(n)),
+    "chain-clip-adamw": lambda: optim.chain(
+        optim.clip_by_global_norm(0.5), optim.adamw(lr=SCHED, weight_decay=0.1)
+    ),
+    "chain-clip-scale-sgd": lambda: optim.chain(
+        optim.clip_by_global_norm(1.0), optim.scale_by_schedule(2.0), optim.sgd(lr=0.01)
+    ),
+    "chain-clip-muon": lambda: optim.chain(optim.clip_by_global_norm(0.5), optim.muon(lr=SCHED)),
+}
+ALL = sorted([*ROWS, *COMBINATORS])
+
+
+@st.composite
+def transforms(draw: st.DrawFn, name: str) -> optim.Transform:
+    """``name``'s transform: a row with drawn hyperparameters (lr sometimes a schedule), or a combinator."""
+    if name in COMBINATORS:
+        return COMBINATORS[name]()
+    row = ROWS[name]
+    hp = draw(row.hparams)
+    if draw(st.booleans()):
+        hp["lr"] = SCHED
+    return row.make(**hp)
+
+
+def check(ours: Tensor, ref: Tensor, tol: Tol, what: str) -> None:
+    torch.testing.assert_close(ours, ref, **tol, msg=lambda m: f"{what}: {m}")
+
+
+def assert_matches(
+    row: Row,
+    params: TensorDict,
+    state: TensorDict,
+    ref: tuple[list[Tensor], State],
+    tol: Tol,
+    what: str,
+) -> None:
+    """Params, and every state entry the reference has, equal the reference's within ``tol``."""
+    ref_p, ref_s = ref
+    for i, (p, r) in enumerate(zip(tree.leaves(params), ref_p, strict=True)):
+        check(p, r, tol, f"{what}: params {i}")
+    for i, s in enumerate(ref_s):
+        for key, r in s.items():
+            ours = tree.leaves(state[key])[i]
+            check(ours, r, tol, f"{what}: {key} {i}")
+
+
+def check_reference(
+    row: Row,
+    hp: Hp,
+    init: list[Tensor],
+    grads: list[list[Tensor]],
+    ours: list[tuple[TensorDict, TensorDict]],
+    dtype: torch.dtype,
+) -> bool:
+    """Compare ``ours`` with the row's reference code where it applies; whether it did."""
+    tol = row.reference_tol(hp, dtype, len(grads))
+    ref = row.reference(init, grads, hp) if row.reference is not None and tol is not None else None
+    if ref is None or tol is None:
+        return False
+    for params, state in ours:
+        assert_matches(row, params, state, ref, tol, "reference")
+    return True
+
+
+def torch_run(
+    row: Row, init: list[Tensor], grads: list[list[Tensor]], hp: Hp, kind: str
+) -> tuple[list[Tensor], State]:
+    assert row.torch is not None
+    build = row.torch
+    shape = row.torch_shape
+    p, s = run_torch(
+        lambda ps, names: build(ps, names, hp, TORCH_KINDS[kind]),
+        init,
+        grads,
+        (lambda path, t: shape(path, t, hp))
+        if shape is not None
+        else (lambda path, t: tuple(t.shape)),
+    )
+    return p, [row.torch_state(x) for x in s]
+
+
+# Parity --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(ROWS))
+@settings(max_examples=8, deadline=None)
+@given(data=st.data(), shapes=shapes_st, seed=st.integers(0, 2**31 - 1))
+def test_fp32_matches_torch_and_reference_after_50_steps_on_both_paths(
+    name: str, data: st.DataObject, shapes: list[tuple[int, ...]], seed: int
+) -> None:
+    """fp32: donated and pure steps match every torch kind (close) and the reference (close),
+    and the fused kind bitwise (the same kernel on the same inputs)."""
+    row = ROWS[name]
+    hp = data.draw(row.hparams)
+    init, grads = make_data(shapes, seed, torch.float32)
+    opt = row.make(**hp)
+    ours = {d: run_ours(opt, init, grads, donate=d) for d in (True, False)}
+    assert int(ours[True][1]["count"]) == STEPS
+    if row.torch is not None and row.torch_applies(hp, torch.float32):
+        for kind in row.kinds:
+            ref = torch_run(row, init, grads, hp, kind)
+            tol = EXACT if kind == row.exact_kind else CLOSE
+            for donate, (params, state) in ours.items():
+                assert_matches(row, params, state, ref, tol, f"torch {kind}, donate={donate}")
+    check_reference(row, hp, init, grads, list(ours.values()), torch.float32)
+
+
+@pytest.mark.parametrize("name", sorted(ROWS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_examples_match_torch_exactly_and_the_reference(name: str, dtype: torch.dtype) -> None:
+    """The row's examples, deterministically: donated and pure steps equal the exact torch
+    kind bitwise in fp32 (the bf16 kind within its tolerance in bf16) and the reference code
+    within its tolerance, on matrices, vectors, a 3-D tensor and an empty one."""
+    row = ROWS[name]
+    init, grads = make_data([(6, 3), (4,), (2, 3, 2), (0, 3), (3, 5), (5, 5)], 7, dtype, steps=5)
+    compared = 0
+    for hp in (row.example, *row.more_examples):
+        opt = row.make(**hp)
+        ours = [run_ours(opt, init, grads, donate=d) for d in (True, False)]
+        if row.torch is not None and row.torch_applies(hp, dtype):
+            kind, tol = (row.exact_kind, EXACT) if dtype == torch.float32 else row.bf16_kind  # type: ignore[misc]
+            ref = torch_run(row, init, grads, hp, kind)
+            for params, state in ours:
+                assert_matches(row, params, state, ref, tol, f"torch {kind} {hp}")
+            compared += 1
+        if dtype == torch.float32 or row.torch is None:
+            compared += check_reference(row, hp, init, grads, ours, dtype)
+    assert compared, "no reference applied to any example"
+
+
+@pytest.mark.parametrize("name", sorted(ROWS))
+@settings(max_examples=5, deadline=None)
+@given(data=st.data(), shapes=shapes_st, seed=st.integers(0, 2**31 - 1))
+def test_bf16_matches_torch_and_reference_within_stated_tolerance(
+    name: str, data: st.DataObject, shapes: list[tuple[int, ...]], seed: int
+) -> None:
+    """bf16 params: both paths match the row's bf16 torch kind and its reference (module docstring)."""
+    row = ROWS[name]
+    hp = data.draw(row.hparams)
+    init, grads = make_data(shapes, seed, torch.bfloat16)
+    opt = row.make(**hp)
+    ours = [run_ours(opt, init, grads, donate=d) for d in (True, False)]
+    for _, state in ours:
+        for key in state.keys():
+            if isinstance(state[key], TensorDict) and key != "steps":
+                assert all(t.dtype == torch.bfloat16 for t in tree.leaves(state[key])), key
+    if row.bf16_kind is not None and row.torch_applies(hp, torch.bfloat16):
+        kind, tol = row.bf16_kind
+        ref = torch_run(row, init, grads, hp, kind)
+        for params, state in ours:
+            assert_matches(row, params, state, ref, tol, f"torch {kind}")
+    check_reference(row, hp, init, grads, ours, torch.bfloat16)
+
+
+def fused_off(mp: pytest.MonkeyPatch, row: Row) -> None:
+    if row.fused is not None:
+        mp.setattr(row.fused, "fused_supported", lambda device, dtype, **kw: False)
+
+
+@pytest.mark.parametrize("name", FUSED_ROWS)
+@settings(max_examples=5, deadline=None)
+@given(
+    data=st.data(),
+    shapes=shapes_st,
+    seed=st.integers(0, 2**31 - 1),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+)
+def test_foreach_fallback_matches_torch_foreach_and_default(
+    name: str, data: st.DataObject, shapes: list[tuple[int, ...]], seed: int, dtype: torch.dtype
+) -> None:
+    """Without fused kernels the foreach fallback follows torch's op order.
+
+    fp32: torch's foreach=True and default kinds. bf16: the default (per-tensor)
+    kind, which applies scalars like ``1 - lr * wd`` at full precision as the
+    fallback does; CPU ``torch._foreach_mul_`` (foreach=True) first rounds them to
+    bf16 (0.999 -> 1.0), so it is not a reference there.
+    """
+    row = ROWS[name]
+    hp = data.draw(row.hparams)
+    init, grads = make_data(shapes, seed, dtype)
+    if row.torch is None or not row.torch_applies(hp, dtype):
+        return
+    with pytest.MonkeyPatch.context() as mp:
+        fused_off(mp, row)
+        ours = [run_ours(row.make(**hp), init, grads, donate=d) for d in (True, False)]
+    for kind in row.fallback_kinds[dtype]:
+        ref = torch_run(row, init, grads, hp, kind)
+        for params, state in ours:
+            assert_matches(row, params, state, ref, CLOSE, f"torch {kind}")
+
+
+@pytest.mark.parametrize("name", sorted(ROWS))
+def test_fallback_with_chunked_temporaries_equals_unchunked_bitwise(name: str) -> None:
+    """Chunking the foreach fallback's temporaries (to bound memory) does not change results."""
+    row = ROWS[name]
+    init, grads = make_data([(4, 3), (7,), (2, 2), (9,)], 2, torch.float32, steps=5)
+    with pytest.MonkeyPatch.context() as mp:
+        fused_off(mp, row)
+        whole = run_ours(row.make(**row.example), init, grads, donate=True)
+        mp.setattr(_kernels, "TEMP_CHUNK_ELEMENTS", 5)
+        chunked = run_ours(row.make(**row.example), init, grads, donate=True)
+    assert_trees_equal(whole[0], chunked[0])
+    assert_trees_equal(whole[1], chunked[1])
+
+
+@pytest.mark.parametrize("name", sorted(ROWS))
+@settings(max_examples=5, deadline=None)
+@given(data=st.data(), shapes=shapes_st, seed=st.integers(0, 2**31 - 1))
+def test_apply_updates_of_update_tracks_step(
+    name: str, data: st.DataObject, shapes: list[tuple[int, ...]], seed: int
+) -> None:
+    """params + update(...) (optax style, pure or donated state) tracks step(...) over the
+    row's ``long_steps`` (fp32), within the row's ``update_tol``."""
+    row = ROWS[name]
+    opt = row.make(**data.draw(row.hparams))
+    init, grads = make_data(shapes, seed, torch.float32, steps=row.long_steps)
+    p_step, s_step = run_ours(opt, init, grads, donate=False)
+    for donate in (False, True):
+        params, state = run_updates(opt, init, grads, donate=donate)
+        for a, b in zip(tree.leaves(params), tree.leaves(p_step), strict=True):
+            torch.testing.assert_close(a, b, **row.update_tol)
+        for a, b in zip(tree.leaves(state), tree.leaves(s_step), strict=True):
+            torch.testing.assert_close(a, b, **row.update_tol)
+
+
+# Schedules -----------------------------------------------------------------------------
+
+SCHEDULES = {
+    "warmup_cosine": schedules.warmup_cosine(
+        0.05, warmup_steps=3, total_steps=8, init=0.005, end=0.001
+    ),
+    "piecewise_constant": schedules.piecewise_constant(0.1, {2: 0.5, 5: 0.5}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ROWS))
+@settings(max_examples=3, deadline=None)
+@given(data=st.data(), sched=st.sampled_from(sorted(SCHEDULES)), seed=st.integers(0, 2**16))
+def test_schedule_is_the_constant_lr_of_each_count_bitwise(
+    name: str, data: st.DataObject, sched: str, seed: int
+) -> None:
+    """Update n of make(lr=schedule) is bitwise make(lr=schedule(n)) on the same state,
+    current_lr reports schedule(n) and count is n + 1."""
+    row = ROWS[name]
+    hp = data.draw(row.hparams)
+    fn = SCHEDULES[sched]
+    init, grads = make_data([(3, 2), (4,)], seed, torch.float32, steps=10)
+    scheduled = row.make(**{**hp, "lr": fn})
+    p1 = p2 = as_tree(init)
+    s1 = s2 = scheduled.init(p1)
+    assert float(optim.current_lr(s1)) == fn(0)  # type: ignore[arg-type]
+    for n, gs in enumerate(grads):
+        g = as_tree(gs)
+        p1, s1 = scheduled.step(g, s1, p1, donate=n % 2 == 1)
+        p2, s2 = row.make(**{**hp, "lr": fn(n)}).step(g, s2, p2)
+        assert_trees_equal(p1, p2)
+        assert_trees_equal(s1, s2)
+        assert float(optim.current_lr(s1)) == fn(n) and int(s1["count"]) == n + 1  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("name", TORCH_ROWS)
+def test_schedule_follows_the_count_like_torch_lambdalr(name: str) -> None:
+    """make(lr=schedule) equals the torch counterpart + LambdaLR stepped after each
+    optimizer step; current_lr is the lr torch used, as a float64 CPU scalar."""
+    row = ROWS[name]
+    assert row.torch is not None
+    base = 0.05
+    sched = schedules.warmup_cosine(base, warmup_steps=5, total_steps=30, init=0.005, end=0.001)
+    hp = {**row.example, "lr": base}
+    init, grads = make_data([(6, 3), (4,), (3, 5)], 3, torch.float32, steps=35)
+    ps = [nn.Parameter(t.clone()) for t in init]
+    topts = row.torch(ps, paths(len(ps)), hp, {})
+    lams = [torch.optim.lr_scheduler.LambdaLR(o, lambda n: sched(n) / base) for o in topts]
+    opt = row.make(**{**hp, "lr": sched})
+    params = as_tree([t.clone() for t in init])
+    state = opt.init(params)
+    for n, gs in enumerate(grads):
+        used = topts[0].param_groups[0]["lr"]
+        for p, g in zip(ps, gs, strict=True):
+            p.grad = g.clone()
+        for o, lam in zip(topts, lams, strict=True):
+            o.step()
+            lam.step()
+        params, state = opt.step(as_tree(gs), state, params, donate=n % 2 == 0)
+        lr = optim.current_lr(state)
+        assert lr is not None and lr.dtype == torch.float64 and lr.device.type == "cpu"
+        assert float(lr) == pytest.approx(used, rel=1e-12)
+        assert int(state["count"]) == n + 1
+    for a, b in zip(tree.leaves(params), ps, strict=True):
+        torch.testing.assert_close(a, b.detach())
+
+
+# Hyperparameters -----------------------------------------------------------------------
+
+BAD = [(name, kw, exc, field) for name, row in ROWS.items() for kw, exc, field in row.bad]
+
+
+@pytest.mark.parametrize(
+    ("name", "kwargs", "exc", "field"), BAD, ids=[f"{b[0]}-{b[3]}-{i}" for i, b in enumerate(BAD)]
+)
+def test_bad_hyperparameter_fails_at_construction_naming_the_field(
+    name: str, kwargs: Hp, exc: type[Exception], field: str
+) -> None:
+    """A bad or ill-typed hyperparameter raises at construction, the message starting with the field."""
+    with pytest.raises(exc, match=rf"^{field}"):
+        ROWS[name].make(**kwargs)
+
+
+@pytest.mark.parametrize("name", sorted(ROWS))
+def test_every_hyperparameter_has_a_bad_value_case(name: str) -> None:
+    """The row's bad cases cover every parameter of the factory."""
+    row = ROWS[name]
+    covered = {k for kw, _, _ in row.bad for k in kw}
+    assert set(inspect.signature(row.make).parameters) <= covered
+
+
+@pytest.mark.parametrize("name", sorted(ROWS))
+def test_zero_lr_and_a_schedule_are_valid_and_kept_in_hparams(name: str) -> None:
+    """lr=0 and lr=schedule construct; hparams keep the schedule for inspection."""
+    sched = schedules.cosine_decay(1e-3, 100)
+    assert ROWS[name].make(lr=sched).hparams.lr is sched
+    assert ROWS[name].make(lr=0.0).hparams.lr == 0.0
+
+
+@pytest.mark.parametrize("name", [n for n, r in ROWS.items() if r.defaults_of])
+def test_defaults_follow_torch(name: str) -> None:
+    """Every default shared by name with the torch counterpart is torch's (lr, betas, eps, ...)."""
+    row = ROWS[name]
+    ours = {k: p.default for k, p in inspect.signature(row.make).parameters.items()}
+    for cls in row.defaults_of:
+        theirs = {k: p.default for k, p in inspect.signature(cls.__init__).parameters.items()}
+        shared = [k for k in ours if k in theirs and theirs[k] is not None]
+        assert shared, cls
+        for k in shared:
+            assert ours[k] == theirs[k], (k, ours[k], theirs[k])
+
+
+# Params without a gradient, layouts ----------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(ROWS))
+@settings(max_examples=6, deadline=None)
+@given(
+    data=st.data(),
+    shapes=shapes_st,
+    masks=st.lists(st.lists(st.booleans(), min_size=3, max_size=3), min_size=1, max_size=4),
+    donate=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_a_param_left_out_of_grads_is_untouched_and_keeps_its_own_step_count(
+    name: str,
+    data: st.DataObject,
+    shapes: list[tuple[int, ...]],
+    masks: list[list[bool]],
+    donate: bool,
+    seed: int,
+) -> None:
+    """With grads for a subset of params, every param evolves exactly as if it were optimised
+    alone on the steps where it has a gradient (torch.optim's skip of ``.grad is None``):
+    absent params, their moments and their step counts do not change at all.
+
+    (A constant lr: a schedule follows the role's count, not the param's.)
+    """
+    row = ROWS[name]
+    hp = data.draw(row.hparams)
+    opt = row.make(**hp)
+    init, gs = make_data(shapes, seed, torch.float32, steps=len(masks))
+    names = paths(len(init))
+    params = as_tree([t.clone() for t in init])
+    state = opt.init(params)
+    for g, mask in zip(gs, masks, strict=True):
+        keep = [x if mask[i % 3] else None for i, x in enumerate(g)]
+        params, state = opt.step(tree.select(as_tree(g), keep), state, params, donate=donate)
+    assert int(state["count"]) == len(masks)
+    for i, t in enumerate(init):  # each leaf alone (at its own path), on its own steps
+        alone = tree.unflatten([(tuple(names[i].split(".")), t.clone())])
+        s = opt.init(alone)
+        for g, mask in zip(gs, masks, strict=True):
+            if mask[i % 3]:
+                alone, s = opt.step(tree.unflatten([(tuple(names[i].split(".")), g[i])]), s, alone)
+        assert torch.equal(tree.leaves(params)[i], tree.leaves(alone)[0]), names[i]
+
+
+@pytest.mark.parametrize("name", sorted(ROWS))
+@settings(max_examples=6, deadline=None)
+@given(
+    data=st.data(),
+    shape=st.tuples(*[st.integers(2, 4)] * 4),
+    p_layout=st.sampled_from(["contiguous", "transposed", "channels_last", "sliced"]),
+    g_layout=st.sampled_from(["contiguous", "transposed", "channels_last", "sliced", "expanded"]),
+    donate=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_step_result_does_not_depend_on_memory_layout_of_params_or_grads(
+    name: str,
+    data: st.DataObject,
+    shape: tuple[int, ...],
+    p_layout: str,
+    g_layout: str,
+    donate: bool,
+    seed: int,
+) -> None:
+    """Any layout of the grads (transposed, channels_last, sliced, stride-0 expanded) gives
+    bitwise the result of grads stored like their params (what torch.optim gets in .grad,
+    and what the fused kernel, which walks memory, needs), and any param layout gives the
+    contiguous result up to the rounding of the vector kernels' tail elements."""
+    row = ROWS[name]
+    opt = row.make(**data.draw(row.hparams))
+    gen = torch.Generator().manual_seed(seed)
+    p0 = torch.randn(shape, generator=gen)
+    gs = [torch.randn(shape, generator=gen) for _ in range(2)]
+    if g_layout == "expanded":
+        gs = [g.flatten()[:1].expand(shape).contiguous() for g in gs]
+
+    def run(p: Tensor, grads: list[Tensor], d: bool) -> tuple[TensorDict, TensorDict]:
+        params = TensorDict({"w": p}, [])
+        state = opt.init(params)
+        for g in grads:
+            params, state = opt.step(TensorDict({"w": g}, []), state, params, donate=d)
+        return params, state
+
+    p = laid_out(p0, p_layout)
+    like_p = [torch.empty_like(p).copy_(g) for g in gs] if p_layout != "sliced" else gs
+    ref_p, ref_s = run(p.clone() if p_layout != "sliced" else laid_out(p0, p_layout), like_p, False)
+    got_p, got_s = run(p, [laid_out(g, g_layout) for g in gs], donate)
+    assert torch.equal(got_p["w"], ref_p["w"])
+    for path, a, b in zip(tree.paths(ref_s), tree.leaves(ref_s), tree.leaves(got_s), strict=True):
+        assert torch.equal(a, b), tree.format_path(path)
+    contiguous, _ = run(p0.clone(), [g.clone() for g in gs], False)
+    torch.testing.assert_close(got_p["w"], contiguous["w"], rtol=1e-5, atol=1e-6)
+
+
+# Generic transform checks (optimizers and combinators) ---------------------------------
+
+
+@pytest.mark.parametrize("name", ALL)
+@settings(max_examples=4, deadline=None)
+@given(
+    data=st.data(),
+    shapes=shapes_st,
+    seed=st.integers(0, 2**31 - 1),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+)
+def test_pure_step_and_update_leave_inputs_bitwise_unchanged(
+    name: str, data: st.DataObject, shapes: list[tuple[int, ...]], seed: int, dtype: torch.dtype
+) -> None:
+    """donate=False never writes params, grads or state, and returns no buffer of theirs."""
+    opt = data.draw(transforms(name))
+    init, gs = make_data(shapes, seed, dtype, steps=3)
+    params = as_tree(init)
+    state = opt.init(params)
+    for g in gs[:2]:  # non-zero moments first
+        params, state = opt.step(as_tree(g), state, params)
+    g = as_tree(gs[2])
+    before = [tree.clone(td) for td in (params, g, state)]
+    outs = [*opt.step(g, state, params), *opt.update(g, state, params)]
+    for td, ref in zip((params, g, state), before, strict=True):
+        assert_trees_equal(td, ref)
+    inputs = ptrs(params, g, state)
+    for out in outs:
+        assert not inputs & ptrs(out)
+
+
+@pytest.mark.parametrize("name", ALL)
+@settings(max_examples=5, deadline=None)
+@given(
+    data=st.data(),
+    shapes=shapes_st,
+    seed=st.integers(0, 2**31 - 1),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float64]),
+)
+def test_donated_step_equals_pure_step_bitwise(
+    name: str, data: st.DataObject, shapes: list[tuple[int, ...]], seed: int, dtype: torch.dtype
+) -> None:
+    """Six steps with donate=True give bitwise the params and state of donate=False."""
+    opt = data.draw(transforms(name))
+    init, gs = make_data(shapes, seed, dtype, steps=6)
+    p1, s1 = run_ours(opt, init, gs, donate=True)
+    p2, s2 = run_ours(opt, init, gs, donate=False)
+    assert_trees_equal(p1, p2)
+    assert_trees_equal(s1, s2)
+
+
+def example(name: str) -> optim.Transform:
+    return COMBINATORS[name]() if name in COMBINATORS else ROWS[name].make(**ROWS[name].example)
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_donated_step_updates_params_in_their_own_buffers(name: str) -> None:
+    """With donate=True the returned params are the input buffers (no new param memory)."""
+    opt = example(name)
+    init, gs = make_data([(3, 2), (4,)], 0, torch.float32, steps=1)
+    params = as_tree(init)
+    before = [t.data_ptr() for t in tree.leaves(params)]
+    new_p, _ = opt.step(as_tree(gs[0]), opt.init(params), params, donate=True)
+    assert [t.data_ptr() for t in tree.leaves(new_p)] == before
+
+
+@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("donate", [False, True])
+def test_empty_tree_is_a_no_op(name: str, donate: bool) -> None:
+    """A params tree with no leaves steps and updates without error and stays empty."""
+    opt = example(name)
+    empty = TensorDict({}, batch_size=[])
+    new_p, _ = opt.step(empty, opt.init(empty), empty, donate=donate)
+    upd, _ = opt.update(empty, opt.init(empty), empty, donate=donate)
+    assert tree.leaves(new_p) == [] and tree.leaves(upd) == []
+
+
+def error_params() -> TensorDict:
+    return TensorDict({"enc": {"fc": {"weight": torch.ones(3, 2)}}, "head": torch.ones(4)}, [])
+
+
+@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("method", ["step", "update"])
+def test_grads_with_wrong_shape_name_path_and_both_shapes(name: str, method: str) -> None:
+    """A grad whose shape differs from its param fails with the key path and both shapes."""
+    opt = example(name)
+    p = error_params()
+    g = TensorDict({"enc": {"fc": {"weight": torch.ones(2, 3)}}, "head": torch.ones(4)}, [])
+    with pytest.raises(ValueError, match=re.escape("enc.fc.weight")) as info:
+        getattr(opt, method)(g, opt.init(p), p)
+    assert "(2, 3)" in str(info.value) and "(3, 2)" in str(info.value)
+
+
+@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("method", ["step", "update"])
+def test_grads_with_missing_or_extra_keys_name_them(name: str, method: str) -> None:
+    """Missing and unexpected grad keys are named by key path."""
+    opt = example(name)
+    p = error_params()
+    g = TensorDict({"enc": {"fc": {"bias": torch.ones(3)}}, "head": torch.ones(4)}, [])
+    with pytest.raises(ValueError, match=r"missing enc\.fc\.weight.*unexpected enc\.fc\.bias"):
+        getattr(opt, method)(g, opt.init(p), p)
+
+
+@pytest.mark.parametrize("name", sorted(ROWS))
+def test_update_without_params_checks_grads_and_equals_update_with_params(name: str) -> None:
+    """Without weight decay, update(grads, state) names a mismatching key path, and on good
+    grads equals update(grads, state, params) up to the rounding of ``(p + u) - p`` (the
+    updates do not depend on params)."""
+    row = ROWS[name]
+    opt = row.make(**{**row.example, **row.no_decay})
+    p = error_params()
+    state = opt.init(p)
+    bad = TensorDict({"enc": {"fc": {"weight": torch.ones(3, 2)}}, "head": torch.ones(5)}, [])
+    with pytest.raises(ValueError, match=r"head.*\(5,\).*\(4,\)"):
+        opt.update(bad, state)
+    g = p.apply(lambda t: torch.linspace(-1, 1, t.numel()).reshape(t.shape))
+    without, with_ = opt.update(g, state)[0], opt.update(g, state, p)[0]
+    for a, b in zip(tree.leaves(without), tree.leaves(with_), strict=True):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("name", sorted(ROWS))
+def test_update_with_weight_decay_needs_params(name: str) -> None:
+    """Weight decay needs params; update without them says so."""
+    opt = ROWS[name].make(lr=0.1, weight_decay=0.1)
+    p = error_params()
+    with pytest.raises(ValueError, match="needs params"):
+        opt.update(p, opt.init(p))
+
+
+@pytest.mark.parametrize("name", sorted(ROWS))
+def test_non_floating_params_fail_at_init_naming_the_path(name: str) -> None:
+    """Integer params cannot be optimized: init names the offending leaf."""
+    p = TensorDict({"a": {"steps": torch.zeros(2, 2, dtype=torch.int64)}}, [])
+    with pytest.raises(TypeError, match=r"a\.steps.*int64"):
+        ROWS[name].make().init(p)
+
+
+@pytest.mark.parametrize("name", sorted(ROWS))
+def test_state_count_and_lr_are_cpu_scalars_and_moments_follow_params(name: str) -> None:
+    """count: int64 0-dim CPU (0, then 1); lr: float64 0-dim CPU = lr(0); every param-shaped
+    state leaf is zero at init, in its param's dtype and device."""
+    opt = ROWS[name].make(lr=schedules.constant(0.5))
+    params = as_tree([torch.ones(2, 3, dtype=torch.bfloat16), torch.ones(3, dtype=torch.float64)])
+    state = opt.init(params)
+    assert (
+        state["count"].dtype == torch.int64
+        and state["count"].shape == ()
+        and int(state["count"]) == 0
+    )
+    assert state["lr"].dtype == torch.float64 and float(state["lr"]) == 0.5
+    for key in state.keys():
+        value = state[key]
+        if isinstance(value, TensorDict):
+            for m, p in zip(tree.leaves(value), tree.leaves(params), strict=True):
+                if m.shape == p.shape:
+                    assert m.dtype == p.dtype and m.device == p.device and not m.any(), key
+    _, state = opt.step(params.apply(torch.ones_like), state, params)
+    assert int(state["count"]) == 1 and state["count"].device.type == "cpu"
