@@ -44,27 +44,29 @@ def _registration_hooks() -> dict[Any, Any]:
     return hooks
 
 
-class _Held:
-    """A slot a scope keeps swapped: its original object and the tree entry it holds."""
+class _Batch:
+    """The slots one call of a scope filled: their originals and the tree entries they hold."""
 
-    __slots__ = ("d", "i", "key", "leaves", "original", "paths", "td")
+    __slots__ = ("entries", "leaves", "originals", "paths", "td")
 
     def __init__(
         self,
-        d: dict[str, Any],
-        key: str,
-        original: Any,
+        entries: list[tuple[dict[str, Any], str, int]],
+        originals: list[Any],
         td: TensorDictBase,
         leaves: list[torch.Tensor],
         paths: list[tuple[str, ...]],
-        i: int,
     ) -> None:
-        self.d, self.key, self.original = d, key, original
-        self.td, self.leaves, self.paths, self.i = td, leaves, paths, i
+        self.entries, self.originals = entries, originals
+        self.td, self.leaves, self.paths = td, leaves, paths
 
 
 class CallScope:
     """Keeps the swaps of every :func:`call` made inside it until :meth:`close`.
+
+    The first call records its slots as one batch (no per-slot bookkeeping: the
+    common case of one forward per scope stays cheap); a later call builds the
+    slot index once and fills only the slots no earlier call holds.
 
     Attributes:
         conflicts: ids of slot dicts that a later call of the scope filled with
@@ -72,9 +74,19 @@ class CallScope:
     """
 
     def __init__(self) -> None:
-        self._held: dict[tuple[int, str], _Held] = {}
+        self._batches: list[_Batch] = []
+        self._index: dict[tuple[int, str], tuple[_Batch, int]] = {}
         self._plans: list[tuple[_swap.Plan, nn.Module]] = []
         self.conflicts: dict[int, str] = {}
+
+    def _indexed(self) -> dict[tuple[int, str], tuple[_Batch, int]]:
+        index = self._index
+        if len(index) < sum(len(b.entries) for b in self._batches):
+            index.clear()
+            for b in self._batches:
+                for j, (d, key, _) in enumerate(b.entries):
+                    index.setdefault((id(d), key), (b, j))
+        return index
 
     def run(
         self,
@@ -87,29 +99,38 @@ class CallScope:
         """Swap ``td`` into ``module``, run ``fn``, keep new slots held until :meth:`close`."""
         _swap.acquire(plan, module)
         self._plans.append((plan, module))
-        held = self._held
+        entries = plan.entries
+        if not self._batches:
+            self._batches.append(
+                _Batch(entries, [d[k] for d, k, _ in entries], td, leaves, plan.paths)
+            )
+            for d, key, i in entries:
+                d[key] = leaves[i]
+            return fn()
+        index = self._indexed()
         fresh: list[tuple[dict[str, Any], str, int]] = []
-        again: list[tuple[dict[str, Any], str, int, _Held]] = []
-        for d, key, i in plan.entries:
-            h = held.get((id(d), key))
+        again: list[tuple[dict[str, Any], str, int]] = []
+        for d, key, i in entries:
+            h = index.get((id(d), key))
             if h is None:
                 fresh.append((d, key, i))
-            elif h.d[h.key] is not leaves[i]:
-                again.append((d, key, i, h))
+            elif d[key] is not leaves[i]:
+                again.append((d, key, i))
                 self.conflicts[id(d)] = type(module).__name__
-        for d, key, i in fresh:
-            held[(id(d), key)] = _Held(d, key, d[key], td, leaves, plan.paths, i)
-            d[key] = leaves[i]
+        if fresh:
+            self._batches.append(_Batch(fresh, [d[k] for d, k, _ in fresh], td, leaves, plan.paths))
+            for d, key, i in fresh:
+                d[key] = leaves[i]
         if not again:
             return fn()
-        previous = [d[key] for d, key, _, _ in again]
-        for d, key, i, _ in again:
+        previous = [d[key] for d, key, _ in again]
+        for d, key, i in again:
             d[key] = leaves[i]
         try:
             return fn()
         finally:
             replaced: dict[int, Any] = {}
-            for (d, key, i, _), prev in zip(again, previous, strict=True):
+            for (d, key, i), prev in zip(again, previous, strict=True):
                 if d[key] is not leaves[i]:
                     replaced[i] = d[key]
                 d[key] = prev
@@ -119,15 +140,18 @@ class CallScope:
     def close(self) -> None:
         """Put every held slot's original back (writing replaced tensors into their trees)."""
         try:
-            by_tree: dict[int, tuple[TensorDictBase, list[tuple[str, ...]], dict[int, Any]]] = {}
-            for h in self._held.values():
-                current = h.d.get(h.key)
-                if current is not h.leaves[h.i]:
-                    by_tree.setdefault(id(h.td), (h.td, h.paths, {}))[2][h.i] = current
-                h.d[h.key] = h.original
-            self._held.clear()
-            for td, paths, replaced in by_tree.values():
-                _swap._write_back(td, paths, replaced)
+            for b in self._batches:
+                leaves = b.leaves
+                replaced: dict[int, Any] = {}
+                for (d, key, i), original in zip(b.entries, b.originals, strict=True):
+                    current = d.get(key)
+                    if current is not leaves[i]:
+                        replaced[i] = current
+                    d[key] = original
+                if replaced:
+                    _swap._write_back(b.td, b.paths, replaced)
+            self._batches.clear()
+            self._index.clear()
         finally:
             for plan, _ in reversed(self._plans):
                 _swap.release(plan)
