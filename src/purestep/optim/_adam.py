@@ -17,10 +17,10 @@ from purestep.optim._base import ScalarOrSchedule, Transform
 from purestep.optim._hparams import AdamHParams
 from purestep.optim._kernels import (
     Kernel,
+    all_dense,
     chunks,
     foreach_mul_,
     fused_supported,
-    is_dense,
     kernel_transform,
     pick,
     steps_by_value,
@@ -89,7 +89,7 @@ def _kernel(hp: AdamHParams) -> Kernel:
         nu_max = m[2] if hp.amsgrad else []
         n = len(p)
         for (device, dtype), idx in tree.group_by_device_dtype(p).items():
-            if fused_supported(device, dtype) and all(is_dense(p[i]) for i in idx):
+            if fused_supported(device, dtype) and all_dense(pick(p, idx, n)):
                 P, G = pick(p, idx, n), pick(g, idx, n)
                 G = [x if x.dtype == dtype else x.to(dtype) for x in G]
                 # The fused kernels' schema marks grads mutable; they write them only

@@ -33,6 +33,7 @@ from purestep.optim._base import ScalarOrSchedule, Transform
 __all__ = [
     "TEMP_CHUNK_ELEMENTS",
     "Kernel",
+    "all_dense",
     "chunks",
     "foreach_mul_",
     "fused_supported",
@@ -136,6 +137,20 @@ def is_dense(t: torch.Tensor) -> bool:
     """
     if t.is_contiguous():
         return True
+    return _gapless(t)
+
+
+def all_dense(ts: list[torch.Tensor]) -> bool:
+    """Whether every tensor of ``ts`` is :func:`is_dense` (contiguous ones checked in C).
+
+    Example:
+        >>> all_dense([torch.zeros(2), torch.zeros(4, 6)[:, :3]])
+        False
+    """
+    return all(map(torch.Tensor.is_contiguous, ts)) or all(map(is_dense, ts))
+
+
+def _gapless(t: torch.Tensor) -> bool:
     dims = sorted((s, n) for s, n in zip(t.stride(), t.shape, strict=True) if n != 1)
     expected = 1
     for stride, size in dims:
@@ -154,6 +169,9 @@ def match_layout(params: list[torch.Tensor], grads: list[torch.Tensor]) -> list[
         >>> g[0].stride()
         (3, 1)
     """
+    _contiguous = torch.Tensor.is_contiguous
+    if all(map(_contiguous, params)) and all(map(_contiguous, grads)):
+        return grads  # the common case, checked without a Python frame per tensor
     out: list[torch.Tensor] | None = None
     for i, (p, g) in enumerate(zip(params, grads, strict=True)):
         if (g.is_contiguous() and p.is_contiguous()) or g.stride() == p.stride():

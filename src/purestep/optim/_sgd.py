@@ -15,10 +15,10 @@ from purestep.optim._base import ScalarOrSchedule, Transform
 from purestep.optim._hparams import SGDHParams
 from purestep.optim._kernels import (
     Kernel,
+    all_dense,
     chunks,
     foreach_mul_,
     fused_supported,
-    is_dense,
     kernel_transform,
     pick,
 )
@@ -72,7 +72,7 @@ def _group(
         P, G = pick(p, idx, n), pick(g, idx, n)
         B = pick(buf, idx, n) if has_buf else []
         G = [x if x.dtype == dtype else x.to(dtype) for x in G]
-        if fused_supported(device, dtype, kernel="sgd") and all(is_dense(t) for t in P):
+        if fused_supported(device, dtype, kernel="sgd") and all_dense(P):
             # Grads are written by the kernel only with grad_scale / maximize (never passed).
             torch._fused_sgd_(
                 P,
