@@ -17,7 +17,11 @@ Example:
     >>> state, metrics = step(state, {"x": torch.ones(4, 2), "y": torch.zeros(4, 1)})
 """
 
-from purestep import checkpoint, loop, optim, rng, tree
+import importlib
+from types import ModuleType
+from typing import TYPE_CHECKING
+
+from purestep import optim, rng, tree
 from purestep.state import buffers_of, init_state, params_of, roles, variables
 from purestep.step import (
     EMAStep,
@@ -36,7 +40,19 @@ from purestep.step import (
     with_ema,
 )
 
-__version__ = "0.1.0"
+if TYPE_CHECKING:
+    from purestep import checkpoint, loop
+
+from purestep._version import __version__
+
+_LAZY = ("checkpoint", "loop")  # above the step layer: imported on first use
+
+
+def __getattr__(name: str) -> ModuleType:
+    if name in _LAZY:
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "EMAStep",

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from purestep.loop._sinks import read_metrics
+from purestep.loop import read_metrics
 
 __all__ = ["families", "main", "plot_metrics"]
 

@@ -23,10 +23,24 @@ from tensordict import TensorDict, TensorDictBase
 from torch import nn
 
 from purestep import rng, tree
-from purestep.optim import Transform
-from purestep.step._swap import layout_of
+from purestep._layout import layout_of
 
 __all__ = ["ParamSource", "buffers_of", "init_state", "params_of", "roles", "variables"]
+
+
+@runtime_checkable
+class Optimizer(Protocol):
+    """What :func:`init_state` needs of an optimizer: ``init``, ``update`` and ``step``.
+
+    :class:`purestep.optim.Transform` is one; ``state`` is a base module and does
+    not import ``optim``, so it checks this protocol instead.
+    """
+
+    def init(self, params: TensorDictBase) -> TensorDict: ...
+
+    def update(self, *args: Any, **kwargs: Any) -> Any: ...
+
+    def step(self, *args: Any, **kwargs: Any) -> Any: ...
 
 
 @runtime_checkable
@@ -142,7 +156,7 @@ def _source_buffers(
 
 def init_state(
     params: Mapping[str, nn.Module | TensorDictBase | ParamSource],
-    optimizers: Mapping[str, Transform],
+    optimizers: Mapping[str, Optimizer],
     *,
     seed: int,
     extra: Mapping[str, Any] | TensorDictBase | None = None,
@@ -184,7 +198,7 @@ def init_state(
             f"(roles with params: {sorted(params)})"
         )
     for role, opt in optimizers.items():
-        if not isinstance(opt, Transform):
+        if not isinstance(opt, Optimizer):
             raise TypeError(
                 f"optimizers[{role!r}] is {type(opt).__name__}; expected a purestep.optim.Transform"
             )

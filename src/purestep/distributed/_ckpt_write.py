@@ -20,6 +20,7 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
+from purestep._version import __version__
 from purestep.distributed import _ckpt_fs
 from purestep.distributed._ckpt_errors import (
     CheckpointError,
@@ -92,8 +93,6 @@ def write_metadata(
     user: Mapping[str, Any] | None,
 ) -> None:
     """Write ``tmp/metadata.json`` (sealed with its own checksum) and fsync it and ``tmp``."""
-    import purestep
-
     keys: dict[str, dict[str, Any]] = {}
     per_rank: dict[str, dict[str, dict[str, Any]]] = {}
     for fqn, item in dcp_md.state_dict_metadata.items():
@@ -109,7 +108,7 @@ def write_metadata(
             "format_version": _FORMAT_VERSION,
             "step": step,
             "world_size": world_size,
-            "purestep_version": purestep.__version__,
+            "purestep_version": __version__,
             "torch_version": torch.__version__,
             "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "keys": keys,

@@ -54,9 +54,15 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from purestep import tree
 from purestep.state import buffers_of
-from purestep.step._batch import Batch, as_batch, batch_size, with_index
-from purestep.step._bound import register_bound_backward_hook, register_bound_metrics_hook
-from purestep.step._context import Microbatch
+from purestep.step import (
+    Batch,
+    Microbatch,
+    as_batch,
+    batch_size,
+    register_bound_backward_hook,
+    register_bound_metrics_hook,
+    with_index,
+)
 
 __all__ = [
     "FSDPBinding",
@@ -340,6 +346,9 @@ def bind(
         sync_every_microbatch=sync_every_microbatch,
     )
     _register(tree.leaves(binding.params()), owner)
+    # The step layer learns about bound roles only once something is bound.
+    register_bound_backward_hook(_before_backward)
+    register_bound_metrics_hook(_reduce_bound_metrics)
     return binding
 
 
@@ -360,10 +369,6 @@ def _reduce_bound_metrics(leaves: Sequence[torch.Tensor], metrics: TensorDict) -
     if not owners:
         return metrics
     return reduce_metrics(metrics, owners[0].mesh)
-
-
-register_bound_backward_hook(_before_backward)
-register_bound_metrics_hook(_reduce_bound_metrics)
 
 
 # -- data parallelism -----------------------------------------------------------------------

@@ -129,8 +129,17 @@ from purestep.methods import flow
 from purestep.optim import Transform
 from purestep.state import ParamSource, params_of
 from purestep.state import init_state as _init_state
-from purestep.step import Batch, LossFn, TrainStep, accumulate, train_step, value_and_grad
-from purestep.step._batch import as_batch, batch_size, with_index
+from purestep.step import (
+    Batch,
+    LossFn,
+    TrainStep,
+    accumulate,
+    as_batch,
+    batch_size,
+    train_step,
+    value_and_grad,
+    with_index,
+)
 
 __all__ = [
     "NFTConfig",

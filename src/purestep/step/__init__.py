@@ -5,8 +5,12 @@ Every builder returns a function with the step signature
 """
 
 from purestep.step._accumulate import accumulate, microbatch_sizes
-from purestep.step._batch import Batch, as_batch, with_index
-from purestep.step._bound import is_bound
+from purestep.step._batch import Batch, as_batch, batch_size, with_index
+from purestep.step._bound import (
+    is_bound,
+    register_bound_backward_hook,
+    register_bound_metrics_hook,
+)
 from purestep.step._call import call, call_scope, recording_modules
 from purestep.step._context import Microbatch, current_microbatch, live_roles
 from purestep.step._grad import GradFn, LossFn, value_and_grad
@@ -27,6 +31,7 @@ __all__ = [
     "accumulate",
     "apply_gradients",
     "as_batch",
+    "batch_size",
     "call",
     "call_scope",
     "current_microbatch",
@@ -35,6 +40,8 @@ __all__ = [
     "microbatch_sizes",
     "module_tensors",
     "recording_modules",
+    "register_bound_backward_hook",
+    "register_bound_metrics_hook",
     "skip_nonfinite",
     "train_step",
     "value_and_grad",
