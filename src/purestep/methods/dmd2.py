@@ -74,6 +74,7 @@ from torch import nn
 
 from purestep import rng, tree
 from purestep import state as _state
+from purestep.methods import _validators as _v
 from purestep.methods import flow
 from purestep.methods._common import build_step
 from purestep.methods.flow import Purpose, TimestepDist
@@ -97,26 +98,6 @@ def _student_steps(
             )
     if any(b >= a for a, b in itertools.pairwise(value)):
         raise ValueError(f"DMD2Config.{attribute.name} must be strictly decreasing, got {value!r}")
-
-
-def _positive_int(_: object, attribute: attrs.Attribute[int], value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"DMD2Config.{attribute.name} must be an int >= 1, got {value!r}")
-
-
-def _finite(_: object, attribute: attrs.Attribute[float], value: float) -> None:
-    if not (isinstance(value, int | float) and math.isfinite(value)):
-        raise ValueError(f"DMD2Config.{attribute.name} must be a finite float, got {value!r}")
-
-
-def _positive(_: object, attribute: attrs.Attribute[float], value: float) -> None:
-    if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
-        raise ValueError(f"DMD2Config.{attribute.name} must be > 0, got {value!r}")
-
-
-def _name(_: object, attribute: attrs.Attribute[str], value: str) -> None:
-    if not (isinstance(value, str) and value):
-        raise ValueError(f"DMD2Config.{attribute.name} must be a non-empty str, got {value!r}")
 
 
 def _floats(value: Any) -> tuple[float, ...]:
@@ -159,7 +140,7 @@ class DMD2Config:
     rollout: Literal["simulate", "data"] = attrs.field(
         default="simulate", validator=attrs.validators.in_(("simulate", "data"))
     )
-    guidance_scale: float = attrs.field(default=1.0, validator=_finite)
+    guidance_scale: float = attrs.field(default=1.0, validator=_v.finite)
     score_timesteps: TimestepDist = attrs.field(
         factory=lambda: TimestepDist(low=0.02, high=0.98),
         validator=attrs.validators.instance_of(TimestepDist),
@@ -167,11 +148,11 @@ class DMD2Config:
     critic_timesteps: TimestepDist = attrs.field(
         factory=TimestepDist, validator=attrs.validators.instance_of(TimestepDist)
     )
-    generator_update_interval: int = attrs.field(default=5, validator=_positive_int)
-    x0_key: str = attrs.field(default="x0", validator=_name)
-    cond_keys: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    generator_update_interval: int = attrs.field(default=5, validator=_v.positive_int)
+    x0_key: str = attrs.field(default="x0", validator=_v.name)
+    cond_keys: tuple[str, ...] = attrs.field(default=(), converter=tuple, validator=_v.keys)
     null_cond: Mapping[str, Any] | None = attrs.field(default=None)
-    t_scale: float = attrs.field(default=1.0, validator=_positive)
+    t_scale: float = attrs.field(default=1.0, validator=_v.positive)
 
     def __attrs_post_init__(self) -> None:
         if self.rollout == "simulate" and self.student_steps[0] != 1.0:

@@ -38,6 +38,7 @@ from torch import nn
 
 from purestep import state as _state
 from purestep import tree
+from purestep.methods import _validators as _v
 from purestep.methods import flow
 from purestep.methods._common import build_step
 from purestep.methods.flow import Purpose, TimestepDist
@@ -45,31 +46,6 @@ from purestep.optim import Transform
 from purestep.step import EMAStep, LossFn, TrainStep
 
 __all__ = ["FinetuneConfig", "build_step", "init_state", "loss_fn", "make_step"]
-
-
-def _prob(_: object, attribute: attrs.Attribute[float], value: float) -> None:
-    if not (isinstance(value, int | float) and 0.0 <= value <= 1.0):
-        raise ValueError(f"FinetuneConfig.{attribute.name} must be in [0, 1], got {value!r}")
-
-
-def _positive(_: object, attribute: attrs.Attribute[float], value: float) -> None:
-    if not (isinstance(value, int | float) and value > 0):
-        raise ValueError(f"FinetuneConfig.{attribute.name} must be > 0, got {value!r}")
-
-
-def _name(_: object, attribute: attrs.Attribute[str], value: str) -> None:
-    if not (isinstance(value, str) and value):
-        raise ValueError(f"FinetuneConfig.{attribute.name} must be a non-empty str, got {value!r}")
-
-
-def _keys(_: object, attribute: attrs.Attribute[tuple[str, ...]], value: tuple[str, ...]) -> None:
-    for k in value:
-        if not (isinstance(k, str) and k):
-            raise ValueError(
-                f"FinetuneConfig.{attribute.name} must hold non-empty str keys, got {value!r}"
-            )
-        if k in ("index",):
-            raise ValueError(f"FinetuneConfig.{attribute.name}: {k!r} is reserved for sample ids")
 
 
 @attrs.frozen(kw_only=True)
@@ -100,12 +76,12 @@ class FinetuneConfig:
     timesteps: TimestepDist = attrs.field(
         factory=TimestepDist, validator=attrs.validators.instance_of(TimestepDist)
     )
-    x0_key: str = attrs.field(default="x0", validator=_name)
-    cond_keys: tuple[str, ...] = attrs.field(default=(), converter=tuple, validator=_keys)
-    cond_dropout: float = attrs.field(default=0.0, validator=_prob)
+    x0_key: str = attrs.field(default="x0", validator=_v.name)
+    cond_keys: tuple[str, ...] = attrs.field(default=(), converter=tuple, validator=_v.keys)
+    cond_dropout: float = attrs.field(default=0.0, validator=_v.unit)
     null_cond: Mapping[str, Any] | None = attrs.field(default=None)
-    t_scale: float = attrs.field(default=1.0, validator=_positive)
-    role: str = attrs.field(default="student", validator=_name)
+    t_scale: float = attrs.field(default=1.0, validator=_v.positive)
+    role: str = attrs.field(default="student", validator=_v.name)
 
     def __attrs_post_init__(self) -> None:
         if self.cond_dropout > 0:
