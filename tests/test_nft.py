@@ -326,7 +326,7 @@ def test_kl_term_gradient_is_the_squared_velocity_distance_gradient() -> None:
     testing.assert_trees_close(
         grads["student"], tree.rebuild(p, list(expected)), rtol=1e-9, atol=1e-12
     )
-    assert math.isclose(float(metrics["kl"]), float(kl.detach()), rel_tol=1e-12)
+    assert math.isclose(float(metrics["student", "kl"]), float(kl.detach()), rel_tol=1e-12)
 
 
 def test_old_params_get_no_gradient_and_kl_needs_a_reference() -> None:
@@ -428,9 +428,17 @@ def test_counters_keys_and_roles_after_outer_steps() -> None:
     outer_keys = {int(rng.fold_in(state["rng"], s)) for s in range(8)}
     assert len(inner_keys) == 8
     assert not inner_keys & outer_keys
-    for name in ("reward", "reward_std", "loss", "policy_loss", "kl", "rho", "old_decay"):
+    for name in (
+        ("rollout", "reward"),
+        ("rollout", "reward_std"),
+        "loss",
+        ("student", "policy_loss"),
+        ("student", "kl"),
+        ("student", "rho"),
+        ("old", "decay"),
+    ):
         assert name in metrics, name
-    assert float(metrics["old_decay"]) == 1.0
+    assert float(metrics["old", "decay"]) == 1.0
 
 
 def test_decay_zero_makes_old_equal_student_after_each_outer_step() -> None:

@@ -17,7 +17,7 @@ Example:
     >>> state, metrics = step(state, {"x": torch.ones(4, 2), "y": torch.zeros(4, 1)})
 """
 
-from purestep import checkpoint, loop, optim, rng, tree
+from purestep import checkpoint, export, loop, optim, rng, tree
 from purestep.state import buffers_of, init_state, params_of, roles, variables
 from purestep.step import (
     EMAStep,
@@ -51,6 +51,7 @@ __all__ = [
     "call_scope",
     "checkpoint",
     "current_microbatch",
+    "export",
     "init_state",
     "live_roles",
     "loop",

@@ -65,8 +65,8 @@ def loss_fn(
     forward noise from ``fold_in(key, Purpose.NOISE, index[i])``, so
     accumulation splits see the same draws.
 
-    Metrics: ``policy_loss``, ``rho`` (mean optimality weight) and, when
-    ``kl_weight > 0``, ``kl`` (``mean (v - v_ref)^2``).
+    Metrics, under ``"student"``: ``policy_loss``, ``rho`` (mean optimality
+    weight) and, when ``kl_weight > 0``, ``kl`` (``mean (v - v_ref)^2``).
 
     Args:
         student_model: the module of the student and old policies.
@@ -90,7 +90,7 @@ def loss_fn(
         >>> batch = TensorDict({"x0": torch.ones(4, 1), "adv": torch.zeros(4),
         ...                     "index": torch.arange(4)}, [4])
         >>> loss, m = f(TensorDict({"student": p, "old": p}, []), batch, rng.key(0))
-        >>> sorted(m)
+        >>> sorted(m["student"])
         ['kl', 'policy_loss', 'rho']
     """
     if not isinstance(config, NFTConfig):
@@ -143,14 +143,15 @@ def loss_fn(
         pos = err_pos.square().mean(dim=dims) / w_pos
         neg = err_neg.square().mean(dim=dims) / w_neg
         policy = ((rho * pos + (1.0 - rho) * neg) / beta).mean()
-        metrics = {"policy_loss": policy.detach(), "rho": rho.mean().detach()}
+        student_metrics = {"policy_loss": policy.detach(), "rho": rho.mean().detach()}
+        metrics = {"student": student_metrics}
         loss = policy
         if config.kl_weight > 0:
             assert reference_params is not None
             with torch.no_grad():
                 v_ref = flow.predict_velocity(ref_model, reference_params, x_t, t, cond, t_scale=ts)
             kl = (v - v_ref).square().mean(dim=dims).mean()
-            metrics["kl"] = kl.detach()
+            student_metrics["kl"] = kl.detach()
             loss = loss + config.kl_weight * kl
         return loss, metrics
 

@@ -223,7 +223,7 @@ class NFTStep:
 
         The rollouts (:func:`sample`) gain ``"reward"`` and ``"adv"``. The noise
         key is ``fold_in(fold_in(state["rng"], state["step"]), Purpose.ROLLOUT_NOISE)``.
-        Metrics: ``reward`` (mean) and ``reward_std``.
+        Metrics: ``("rollout", "reward")`` (mean) and ``("rollout", "reward_std")``.
         """
         key = rng.fold_in(state.get("rng"), state.get("step"))
         ro = sample(
@@ -248,7 +248,8 @@ class NFTStep:
         ro.set("reward", rewards)
         ro.set("adv", advantages(rewards, self.group_size))
         metrics = TensorDict(
-            {"reward": rewards.mean(), "reward_std": rewards.std(correction=0)}, batch_size=[]
+            {"rollout": {"reward": rewards.mean(), "reward_std": rewards.std(correction=0)}},
+            batch_size=[],
         )
         return ro, metrics
 
@@ -307,7 +308,7 @@ class NFTStep:
         else:
             out.set("step", state.get("step") + 1)
         metrics.update(inner_metrics)
-        metrics.set("old_decay", torch.tensor(decay, dtype=torch.float64))
+        metrics.set(("old", "decay"), torch.tensor(decay, dtype=torch.float64))
         return out, metrics
 
 
@@ -342,9 +343,10 @@ def make_step(
     applies :func:`old_update` with ``decay(s)`` and increments ``step``. Keys
     and counters: see the module docstring.
 
-    Metrics: ``reward`` (mean), ``reward_std``, ``old_decay``, and the means over
-    the inner updates of ``loss``, ``policy_loss``, ``kl``, ``rho`` and
-    ``("student", "grad_norm")``; ``("student", "lr")`` of the last update.
+    Metrics: ``("rollout", "reward")`` (mean), ``("rollout", "reward_std")``,
+    ``("old", "decay")``, and the means over the inner updates of ``loss`` and
+    ``("student", name)`` for ``policy_loss``, ``kl``, ``rho`` and
+    ``grad_norm``; ``("student", "lr")`` of the last update.
 
     Args:
         model: the flow model of student and old (``forward(x_t, t, **cond)``).

@@ -100,7 +100,7 @@ def loss_fn(model: nn.Module, config: FinetuneConfig | None = None) -> LossFn:
 
     ``params[config.role]`` are the model's params; ``batch[config.x0_key]`` the
     clean data. Metrics: ``loss`` (added by :func:`purestep.value_and_grad`) and
-    ``t_mean``.
+    ``(role, "t_mean")``.
 
     Example:
         >>> import torch
@@ -148,7 +148,7 @@ def loss_fn(model: nn.Module, config: FinetuneConfig | None = None) -> LossFn:
             value = flow.mse(flow.x0_from_velocity(x_t, t, v), x0)
         else:
             value = flow.mse(v, flow.velocity_target(x0, eps))
-        return value, {"t_mean": t.detach().mean()}
+        return value, {cfg.role: {"t_mean": t.detach().mean()}}
 
     return loss
 
@@ -161,6 +161,7 @@ def make_step(
     accumulate: int = 1,
     donate: bool = False,
     ema: float | None = None,
+    ema_start_step: int = 0,
     skip_nonfinite: bool = False,
 ) -> TrainStep | EMAStep:
     """The fine-tuning step ``step(state, batch) -> (state, metrics)``.
@@ -172,6 +173,7 @@ def make_step(
         accumulate: number of microbatches per step (same result for any value).
         donate: reuse the input state's buffers (the input state is then invalid).
         ema: keep an EMA of the role's params with this decay in ``state["ema"]``.
+        ema_start_step: the EMA starts averaging at this step (a copy of the params before).
         skip_nonfinite: skip steps with a non-finite loss or gradient.
 
     Example:
@@ -186,6 +188,7 @@ def make_step(
         accumulate=accumulate,
         donate=donate,
         ema=ema,
+        ema_start_step=ema_start_step,
         skip_nonfinite=skip_nonfinite,
     )
 

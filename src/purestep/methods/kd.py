@@ -148,6 +148,7 @@ def make_step(
     accumulate: int = 1,
     donate: bool = False,
     ema: float | None = None,
+    ema_start_step: int = 0,
     skip_nonfinite: bool = False,
 ) -> TrainStep | EMAStep:
     """The trajectory-distillation step ``step(state, batch) -> (state, metrics)``.
@@ -159,6 +160,7 @@ def make_step(
         accumulate: number of microbatches per step (same result for any value).
         donate: reuse the input state's buffers.
         ema: keep an EMA of the student's params with this decay.
+        ema_start_step: the EMA starts averaging at this step (a copy of the params before).
         skip_nonfinite: skip steps with a non-finite loss or gradient.
 
     Example:
@@ -173,6 +175,7 @@ def make_step(
         accumulate=accumulate,
         donate=donate,
         ema=ema,
+        ema_start_step=ema_start_step,
         skip_nonfinite=skip_nonfinite,
     )
 
