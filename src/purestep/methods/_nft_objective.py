@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import attrs
 import torch
 from tensordict import TensorDict, TensorDictBase
@@ -105,7 +107,7 @@ def loss_fn(
 
     def loss(
         params: TensorDictBase, batch: TensorDictBase, key: torch.Tensor
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    ) -> tuple[torch.Tensor, dict[str, Any]]:
         for name in ("x0", "adv", "index"):
             if name not in batch:
                 raise KeyError(f"nft loss: batch has no {name!r} (keys: {sorted(batch.keys())})")

@@ -122,7 +122,7 @@ def loss_fn(model: nn.Module, config: FinetuneConfig | None = None) -> LossFn:
 
     def loss(
         params: TensorDictBase, batch: TensorDictBase, key: torch.Tensor
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    ) -> tuple[torch.Tensor, dict[str, Any]]:
         if cfg.x0_key not in batch.keys():
             raise KeyError(f"finetune: batch has no {cfg.x0_key!r} (keys: {sorted(batch.keys())})")
         x0 = batch.get(cfg.x0_key)
