@@ -445,6 +445,59 @@ def test_sigint_saves_at_the_current_step_and_resumes_exactly(tmp_path: Path) ->
     assert [r["step"] for r in loop.read_metrics(tmp_path / "metrics.jsonl")] == list(range(1, 10))
 
 
+class _SignalAt:
+    """The toy step, sending ``sig`` to this process once, after it computes step ``at``."""
+
+    def __init__(self, at: int, sig: int) -> None:
+        self.at, self.sig, self.sent = at, sig, False
+
+    def __call__(self, state: TensorDictBase, batch: TensorDictBase) -> Any:
+        out, metrics = _Toy()(state, batch)
+        if int(out["step"]) == self.at and not self.sent:
+            self.sent = True
+            os.kill(os.getpid(), self.sig)
+        return out, metrics
+
+
+@settings(max_examples=8, deadline=None)
+@given(at=st.integers(1, 9), log_every=st.integers(1, 5), save_every=st.sampled_from([None, 3]))
+def test_a_preempted_and_resumed_run_logs_what_an_uninterrupted_one_logs(
+    tmp_path_factory: pytest.TempPathFactory, at: int, log_every: int, save_every: int | None
+) -> None:
+    """SIGTERM after any step, then resume='latest': metrics.jsonl equals the uninterrupted run's
+    (the window's metrics before the stop are carried in the checkpoint, not logged early)."""
+    ref_dir, dirs = tmp_path_factory.mktemp("ref"), tmp_path_factory.mktemp("pre")
+    kw: dict[str, Any] = {"num_steps": 10, "log_every": log_every, "save_every": save_every}
+    kw["sinks"] = ("jsonl",)
+    _run(_Toy(), _toy_state(), _toy_data(3), checkpoint_dir=ref_dir, **kw)
+    with pytest.raises(loop.Preempted):
+        _run(_SignalAt(at, signal.SIGTERM), _toy_state(), _toy_data(3), checkpoint_dir=dirs, **kw)
+    _run(_Toy(), _toy_state(), _toy_data(3), checkpoint_dir=dirs, resume="latest", **kw)
+    ref = (ref_dir / "metrics.jsonl").read_text()
+    assert (dirs / "metrics.jsonl").read_text() == ref
+
+
+def test_preemption_prints_the_checkpoint_and_how_to_resume(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """SIGTERM: stderr names the signal, the step, the checkpoint and resume='latest'; without a
+    checkpoint_dir it says nothing was saved."""
+    with pytest.raises(loop.Preempted):
+        _run(
+            _SignalAt(4, signal.SIGTERM),
+            _toy_state(),
+            _toy_data(3),
+            num_steps=9,
+            checkpoint_dir=tmp_path,
+        )
+    err = capsys.readouterr().err
+    assert "SIGTERM received; stopped after step 4" in err
+    assert str(ckpt.step_dir(tmp_path, 4)) in err and "resume='latest'" in err
+    with pytest.raises(loop.Preempted):
+        _run(_SignalAt(2, signal.SIGTERM), _toy_state(), _toy_data(3), num_steps=9)
+    assert "nothing was saved" in capsys.readouterr().err
+
+
 def test_a_second_signal_interrupts_at_once(tmp_path: Path) -> None:
     """A second SIGINT raises KeyboardInterrupt where the program is; no checkpoint is saved."""
 

@@ -7,6 +7,8 @@ import datetime
 import importlib
 import os
 import re
+import signal
+import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, cast
@@ -16,6 +18,7 @@ from tensordict import TensorDict, TensorDictBase
 from purestep.distributed import checkpoint as ckpt
 from purestep.loop._checkpointing import (
     LOOP_KEY,
+    pending_metrics,
     probe_writable,
     restore_any,
     resume_sources,
@@ -64,6 +67,21 @@ class Preempted(SystemExit):
         self.step = int(state.get("step"))
         self.signum = signum
         self.checkpoint = checkpoint
+
+
+def _preempted_message(signum: int, step: int, root: Path | None, path: Path | None) -> str:
+    """What a preempted run prints (rank 0, stderr): the step, the checkpoint, how to resume."""
+    try:
+        name = signal.Signals(signum).name
+    except ValueError:
+        name = f"signal {signum}"
+    head = f"purestep.loop.run: {name} received; stopped after step {step}"
+    if path is None:
+        return f"{head}; no checkpoint_dir, so nothing was saved (Preempted.state holds the state)"
+    return (
+        f"{head}; checkpoint saved to {path}. To continue, run again with "
+        f"checkpoint_dir={str(root)!r} and resume='latest'"
+    )
 
 
 class BatchKeyError(KeyError):
@@ -270,9 +288,16 @@ def run(
     without the loop's keys (saved by hand) resumes with ``state["step"]``
     batches skipped. The returned state has no loop keys.
 
-    Preemption: the first SIGTERM or SIGINT finishes the current step, writes
-    its log record, saves a checkpoint at that step (if ``checkpoint_dir``) and
-    raises :class:`Preempted` (a ``SystemExit``). A second signal acts at once.
+    Preemption: the first SIGTERM or SIGINT finishes the current step (and
+    its log record at a log point), saves a checkpoint at that step (if ``checkpoint_dir``),
+    prints (rank 0, stderr) the signal, the step, the checkpoint and how to
+    resume, and raises :class:`Preempted` (a ``SystemExit``). A second signal
+    acts at once. Metrics of the steps since the last log point are not logged
+    then but carried in the checkpoint (``metadata.loop.pending_metrics``) into
+    the resumed run's next record, so a preempted and resumed run writes the
+    same records as an uninterrupted one (bitwise on CPU; on an accelerator the
+    carried values are averaged on the CPU, equal up to rounding). Without a
+    ``checkpoint_dir`` they are logged at the stop.
 
     Raises:
         ValueError: a bad argument, a ``resume`` path older than checkpoints in
@@ -338,6 +363,9 @@ def run(
         s = int(state.get("step"))
         if s > num_steps:
             raise ValueError(f"run: resumed at step {s}, past num_steps={num_steps}")
+        buf = MetricBuffer()
+        if source is not None and rank == 0:  # a preempted window's metrics, not yet logged
+            buf.restore(pending_metrics(source))
         out_sinks = make_sinks(sinks, root) if rank == 0 else []
         bar = None
         try:
@@ -351,8 +379,6 @@ def run(
                     sink(at, record)
                 if bar is not None:
                     bar.set_postfix(_short(record), refresh=False)
-
-            buf = MetricBuffer()
 
             def take() -> dict[str, float]:
                 if rank == 0:
@@ -394,14 +420,19 @@ def run(
                     phase[0] = f"after step {s} (agreeing on stop signals)"
                     signum = stop.poll()
                     if signum and not final:
-                        if buf and (record := take()):
-                            emit(s, record)
                         path = None
-                        if root is not None:
+                        if root is None:
+                            if buf and (record := take()):
+                                emit(s, record)
+                        else:
                             path = ckpt.step_dir(root, s)
-                            if saved_at != s:
-                                save(root, state, stream, s, keep_last)
+                            if saved_at != s:  # not a log point: carry the window's metrics
+                                pending = buf.pending() if rank == 0 else None
+                                buf.clear()
+                                save(root, state, stream, s, keep_last, pending_metrics=pending)
                             ckpt.wait_pending()  # an async save of this very step completes first
+                        if rank == 0:
+                            print(_preempted_message(signum, s, root, path), file=sys.stderr)
                         raise Preempted(state, signum, path)
         except BaseException:
             if (
