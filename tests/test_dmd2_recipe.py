@@ -3,6 +3,9 @@ and EMA, role-prefixed metrics, DMD2's regression loss and GAN head."""
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import pytest
 import torch
 from tensordict import TensorDict
@@ -321,3 +324,66 @@ def test_gan_config_needs_its_head() -> None:
     )
     with pytest.raises(KeyError, match="nope"):
         f(params, _batch(0), rng.key(0))
+
+
+def test_the_documented_recipe_runs_as_written(tmp_path: Path) -> None:
+    """docs/methods.md's recipe at toy size: teacher with EMA through loop.run, DMD2 from its EMA
+    weights with in_steps schedules and an EMA from a start step, resume, a partial load of the
+    EMA student from the checkpoint, and its export into the module."""
+    from purestep import checkpoint, loop
+
+    g = torch.Generator().manual_seed(0)
+    data = [
+        TensorDict(
+            {"x0": torch.randn(8, 2, generator=g), "label": torch.randint(0, 3, (8,), generator=g)},
+            [8],
+        )
+        for _ in range(4)
+    ]
+    teacher, student = TinyNet(classes=3, seed=1), TinyNet(classes=3, seed=2)
+    t_opt = optim.adamw(lr=1e-2)
+    t_step = finetune.make_step(
+        teacher, t_opt, finetune.FinetuneConfig(cond_keys=("label",)), donate=True, ema=0.9
+    )
+    t_state = loop.run(
+        t_step,
+        finetune.init_state(teacher, t_opt, seed=0),
+        data,
+        num_steps=6,
+        checkpoint_dir=tmp_path / "teacher",
+        resume="latest",
+        progress=False,
+    )
+    teacher_vars = ps.variables(t_state, "student", ema=True)
+    n, every = 9, 3
+    lr = optim.schedules.in_steps(optim.schedules.cosine_decay(5e-3, n), every=every)
+    opts = {
+        "student": optim.adam(lr, betas=(0.0, 0.999)),
+        "critic": optim.adam(1e-2, betas=(0.0, 0.999)),
+    }
+    cfg = dmd2.DMD2Config(
+        generator_update_interval=every, cond_keys=("label",), null_cond={"label": 3}
+    )
+    step = dmd2.make_step(
+        student=student,
+        teacher=teacher,
+        teacher_params=teacher_vars,
+        optimizers=opts,
+        config=cfg,
+        donate=True,
+        ema=0.9,
+        ema_start_step=3,
+    )
+
+    def init() -> TensorDict:
+        return dmd2.init_state(student=teacher_vars, critic=teacher_vars, optimizers=opts, seed=0)
+
+    kw: dict[str, Any] = {"checkpoint_dir": tmp_path / "dmd2", "save_every": 3, "progress": False}
+    loop.run(step, init(), data, num_steps=6, resume="latest", **kw)  # a first job stops at 6
+    state = loop.run(step, init(), data, num_steps=n, resume="latest", **kw)  # the next resumes
+    again = loop.run(step, init(), data, num_steps=n, checkpoint_dir=tmp_path / "b", progress=False)
+    testing.assert_trees_equal(state, again)
+    ema = checkpoint.load(checkpoint.step_dir(tmp_path / "dmd2", n), keys=["ema.student"])
+    testing.assert_trees_equal(ema["ema", "student"], state["ema", "student"])
+    export.load_params(student, ema["ema", "student"])
+    testing.assert_trees_equal(export.module_variables(student), state["ema", "student"])
