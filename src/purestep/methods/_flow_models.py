@@ -35,6 +35,13 @@ def predict_velocity(
         >>> predict_velocity(Zero(), None, torch.ones(2, 3), torch.ones(2)).shape
         torch.Size([2, 3])
     """
+    adapted_scale = getattr(model, "timestep_scale", 1.0)
+    if t_scale != 1.0 and adapted_scale != 1.0:
+        raise ValueError(
+            f"t_scale={t_scale} given for a model adapted with timestep_scale="
+            f"{adapted_scale} (flow.adapt): the timesteps would be scaled "
+            "twice; leave t_scale at 1 (the adapter carries the scale)"
+        )
     tt = t * t_scale if t_scale != 1.0 else t
     kwargs = dict(cond or {})
     out = model(x_t, tt, **kwargs) if params is None else call(model, params, x_t, tt, **kwargs)

@@ -9,13 +9,16 @@ Conventions (every method in :mod:`purestep.methods` follows them):
   over the trailing dims of ``x`` (``t`` is viewed as ``[B, 1, ..., 1]``).
 * A model is any ``nn.Module`` with ``forward(x_t, t, **cond) -> v`` that gets
   ``t`` as a float tensor ``[B]`` (times ``t_scale``, e.g. 1000 for models
-  trained on integer-like timesteps).
+  trained on integer-like timesteps). :func:`adapt` wraps a model with another
+  signature (diffusers': ``timestep`` in ``[0, 1000]``, ``class_labels=``, an
+  output object), carrying the scale so every sampler uses it.
 * The Euler sampler integrates from ``t = 1`` down to ``0``:
   ``x_{t'} = x_t + (t' - t) * v(x_t, t)``.
 
 Layout. This module is the public face; the code lives in private modules, one
 concept each: ``_flow_math`` (interpolation, targets, conversions, timesteps),
 ``_flow_models`` (calling a model: velocity, CFG, frozen params),
+``_flow_adapter`` (``adapt``: diffusers-style models to the flow contract),
 ``_flow_samplers`` (Euler, re-noising, guided sampling) and ``_flow_batch``
 (sample ids, conditioning keys, condition dropout).
 
@@ -36,6 +39,7 @@ Example:
     True
 """
 
+from purestep.methods._flow_adapter import FlowAdapter, adapt
 from purestep.methods._flow_batch import (
     batch_cond,
     batch_index,
@@ -72,9 +76,11 @@ from purestep.methods._flow_samplers import (
 )
 
 __all__ = [
+    "FlowAdapter",
     "Purpose",
     "TimestepDist",
     "VelocityFn",
+    "adapt",
     "batch_cond",
     "batch_index",
     "cfg",
