@@ -3,6 +3,7 @@ position, metrics and sinks, preemption by SIGINT, bad inputs; and ``purestep.pl
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -18,7 +19,7 @@ from tensordict import TensorDict, TensorDictBase
 
 import purestep as ps
 from purestep import checkpoint as ckpt
-from purestep import loop
+from purestep import loop, plot
 from purestep.testing import assert_trees_equal, snapshot
 
 # -- fixtures: a small regression model, and a toy step whose metrics are known in advance ----
@@ -409,6 +410,66 @@ def test_eval_metrics_are_logged_with_the_eval_prefix() -> None:
     assert set(by_step[3]) == {"eval/acc", "eval/deep/x"}
     assert by_step[3]["eval/acc"] == 0 + 1 + 2
     assert {"s", "eval/acc"} <= set(by_step[6])
+
+
+class _ImageRecord(_Record):
+    def __init__(self) -> None:
+        super().__init__()
+        self.images: list[tuple[int, str, torch.Tensor]] = []
+
+    def image(self, step: int, name: str, pixels: torch.Tensor) -> None:
+        self.images.append((step, name, pixels))
+
+
+def test_eval_images_are_written_as_png_files_and_to_image_sinks(tmp_path: Path) -> None:
+    """eval_fn may return loop.Image values next to its scalars: each becomes
+    images/eval_<name>_<step>.png (decoded pixel for pixel) and reaches sinks with image();
+    the scalar records are unchanged."""
+    image_mod = pytest.importorskip("PIL.Image")
+    rec = _ImageRecord()
+
+    def eval_fn(state: TensorDictBase) -> dict[str, Any]:
+        v = state["acc"].float() / 10
+        return {"acc": state["acc"], "samples": loop.Image(torch.stack([v.expand(2, 3)] * 3))}
+
+    _run(
+        _Toy(),
+        _toy_state(),
+        _toy_data(3),
+        num_steps=4,
+        checkpoint_dir=tmp_path,
+        sinks=("jsonl", rec),
+        eval_fn=eval_fn,
+        eval_every=2,
+    )
+    assert [(s, n) for s, n, _ in rec.images] == [(2, "eval/samples"), (4, "eval/samples")]
+    for step, _, pixels in rec.images:
+        acc = float(sum(i % 3 for i in range(step)))  # batch i holds v = i % 3
+        want = plot.image_grid(torch.full((3, 2, 3), acc / 10))
+        assert torch.equal(pixels, want)
+        with image_mod.open(tmp_path / "images" / f"eval_samples_{step:08d}.png") as im:
+            back = torch.frombuffer(bytearray(im.tobytes()), dtype=torch.uint8)
+            assert torch.equal(back.reshape(pixels.shape), pixels)
+    records = loop.read_metrics(tmp_path / "metrics.jsonl")
+    assert all("eval/samples" not in r for r in records)
+    if importlib.util.find_spec("tensorboard") is not None:  # the tensorboard sink's images
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        tb = tmp_path / "tb"
+        _run(
+            _Toy(),
+            _toy_state(),
+            _toy_data(3),
+            num_steps=4,
+            sinks=[loop.TensorBoardSink(tb)],
+            eval_fn=eval_fn,
+            eval_every=2,
+        )
+        acc = EventAccumulator(str(tb))
+        acc.Reload()
+        got = [(e.step, e.width, e.height) for e in acc.Images("eval/samples")]
+        assert got == [(2, 9, 7), (4, 9, 7)]
+    assert [r.get("eval/acc") for r in records] == [None, 1.0, None, 3.0]
 
 
 # -- preemption ----------------------------------------------------------------------------

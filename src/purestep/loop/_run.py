@@ -13,8 +13,10 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, cast
 
+import torch
 from tensordict import TensorDict, TensorDictBase
 
+from purestep._images import write_png
 from purestep.distributed import checkpoint as ckpt
 from purestep.loop._checkpointing import (
     LOOP_KEY,
@@ -29,7 +31,7 @@ from purestep.loop._collectives import CollectiveTimeoutError, guard_collectives
 from purestep.loop._data import DataStream
 from purestep.loop._metrics import MetricBuffer
 from purestep.loop._signals import StopSignal
-from purestep.loop._sinks import Sink, check_sinks, make_sinks
+from purestep.loop._sinks import Image, Sink, check_sinks, make_sinks
 from purestep.step import as_batch
 
 __all__ = ["LOOP_KEY", "BatchKeyError", "CollectiveTimeoutError", "Preempted", "run"]
@@ -185,13 +187,32 @@ def _short(record: Mapping[str, float]) -> dict[str, str]:
     return {k: f"{v:.4g}" for k, v in list(record.items())[:6]}
 
 
-def _evaluate(eval_fn: EvalFn, state: TensorDictBase) -> dict[str, float]:
+def _evaluate(
+    eval_fn: EvalFn, state: TensorDictBase
+) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
+    """``eval_fn``'s scalars (means, as floats) and images (top-level :class:`Image` values)."""
     out = eval_fn(state)
     if not isinstance(out, (Mapping, TensorDictBase)):
         raise TypeError(f"run: eval_fn returned {type(out).__name__}; expected a dict of metrics")
+    images: dict[str, torch.Tensor] = {}
+    if isinstance(out, Mapping):
+        images = {f"eval/{k}": v.pixels for k, v in out.items() if isinstance(v, Image)}
+        out = {k: v for k, v in out.items() if not isinstance(v, Image)}
     buf = MetricBuffer()
     buf.add(out)
-    return {f"eval/{k}": v for k, v in buf.pop().items()}
+    return {f"eval/{k}": v for k, v in buf.pop().items()}, images
+
+
+def _write_images(
+    sinks: Sequence[Any], root: Path | None, step: int, images: Mapping[str, torch.Tensor]
+) -> None:
+    """Each image to ``root/images/<name>_<step>.png`` and to the sinks with ``image()``."""
+    for name, pixels in images.items():
+        if root is not None:
+            write_png(pixels, root / "images" / f"{name.replace('/', '_')}_{step:08d}.png")
+        for sink in sinks:
+            if callable(image := getattr(sink, "image", None)):
+                image(step, name, pixels)
 
 
 def run(
@@ -245,7 +266,10 @@ def run(
             (``metrics.csv``), ``"tensorboard"`` (``tensorboard/``), or callables
             ``(step, metrics: dict[str, float]) -> None`` such as
             :class:`JSONLSink` (any path). Only rank 0 calls them.
-        eval_fn: ``eval_fn(state) -> dict`` of scalars, logged as ``eval/<name>``.
+        eval_fn: ``eval_fn(state) -> dict`` of scalars, logged as ``eval/<name>``,
+            and of :class:`Image` values (sample grids), written (rank 0) to
+            ``<checkpoint_dir>/images/eval_<name>_<step>.png`` and to sinks
+            with an ``image`` method (TensorBoard).
             Runs on every rank (it may use collectives).
         eval_every: run ``eval_fn`` every this many steps (``None``: at the last
             step only).
@@ -407,7 +431,10 @@ def run(
                         _crossed(prev, s, eval_every) if eval_every is not None else final
                     ):
                         phase[0] = f"in eval_fn at step {s}"
-                        record.update(_evaluate(eval_fn, state))
+                        scalars, images = _evaluate(eval_fn, state)
+                        record.update(scalars)
+                        if images and rank == 0:
+                            _write_images(out_sinks, root, s, images)
                     if record:
                         emit(s, record)
                     if bar is not None:
