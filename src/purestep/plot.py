@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from purestep._images import image_grid, write_png
-from purestep.loop._sinks import read_metrics
+from purestep.loop import read_metrics
 
 __all__ = ["families", "image_grid", "main", "plot_metrics", "write_png"]
 
