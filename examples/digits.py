@@ -268,16 +268,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         generator_update_interval=cfg["dmd2_interval"],
     )
     d_step = dmd2.make_step(
-        student,
-        teacher,
-        None,
-        d_opts,
-        d_cfg,
+        student=student,
+        teacher=teacher,
         teacher_params=teacher_params,
+        optimizers=d_opts,
+        config=d_cfg,
         donate=True,
         ema=cfg["dmd2_ema"],
+        ema_on_update=False,  # after every step, as when the numbers in docs/methods.md were taken
     )
-    d_state = dmd2.init_state(teacher_params, teacher_params, d_opts, seed=args.seed + 1)
+    d_state = dmd2.init_state(
+        student=teacher_params, critic=teacher_params, optimizers=d_opts, seed=args.seed + 1
+    )
     d_state, c = train(
         d_step,
         d_state,

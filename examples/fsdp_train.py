@@ -124,11 +124,12 @@ def main() -> None:
         }
         state = ps.init_state({"student": binding, "critic": critic_binding}, opts, seed=args.seed)
         step = dmd2.make_step(
-            student,
-            teacher,
-            critic,
-            opts,
-            dmd2.DMD2Config(generator_update_interval=2, rollout="data"),
+            student=student,
+            teacher=teacher,
+            teacher_params=ps.export.module_variables(teacher),  # its weights: the module's own
+            critic=critic,
+            optimizers=opts,
+            config=dmd2.DMD2Config(generator_update_interval=2, rollout="data"),
             accumulate=args.accumulate,
             donate=True,
         )

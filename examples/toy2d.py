@@ -277,16 +277,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     d_cfg = dmd2.DMD2Config(student_steps=(1.0,), generator_update_interval=cfg["dmd2_interval"])
     d_step = dmd2.make_step(
-        student,
-        teacher,
-        None,
-        d_opts,
-        d_cfg,
+        student=student,
+        teacher=teacher,
         teacher_params=teacher_params,
+        optimizers=d_opts,
+        config=d_cfg,
         donate=True,
         ema=cfg["ema"],
+        ema_on_update=False,  # after every step, as when the numbers in docs/methods.md were taken
     )
-    d_state = dmd2.init_state(s_init, teacher_params, d_opts, seed=args.seed + 1)
+    d_state = dmd2.init_state(
+        student=s_init, critic=teacher_params, optimizers=d_opts, seed=args.seed + 1
+    )
     d_state, c = train(
         d_step,
         d_state,
@@ -294,10 +296,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         cfg["dmd2_steps"],
         desc=f"dmd2 1-step ({args.dmd2_init} init)",
         progress=progress,
-        metrics=(("critic", "loss"), "dmd_g_abs"),
+        metrics=(("critic", "loss"), ("student", "dmd_g_abs")),
     )
     curves["dmd2: critic flow-matching loss"] = c.get("critic/loss", [])
-    curves["dmd2: mean |g| (student steps)"] = c.get("dmd_g_abs", [])
+    curves["dmd2: mean |g| (student steps)"] = c.get("student/dmd_g_abs", [])
     dmd2_1 = generate(student, d_state["ema", "student"], eval_noise, [1.0, 0.0])
     summary["dmd2_init"] = args.dmd2_init
     summary["sw_dmd2_1step"] = sw(dmd2_1)

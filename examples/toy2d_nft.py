@@ -172,7 +172,7 @@ def _run_nft(
         desc="nft",
         progress=progress,
         log_every=5,
-        metrics=("reward", "kl"),
+        metrics=(("rollout", "reward"), ("student", "kl")),
     )
     student = state["params", "student"]
     after_x = _generate(teacher_model, student, noise)

@@ -18,7 +18,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 from torch import nn
 
-from purestep import loop, rng
+from purestep import loop, plot, rng
 
 StepFn = Callable[[TensorDictBase, Any], tuple[TensorDictBase, TensorDictBase]]
 
@@ -323,14 +323,9 @@ def image_grid(images: torch.Tensor, path: Path, *, nrow: int, title: str | None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    n, h, w = images.shape
+    n = images.shape[0]
     ncol = math.ceil(n / nrow)
-    canvas = torch.ones(nrow * (h + 1) + 1, ncol * (w + 1) + 1)
-    for i in range(n):
-        r, c = divmod(i, ncol)
-        canvas[1 + r * (h + 1) : 1 + r * (h + 1) + h, 1 + c * (w + 1) : 1 + c * (w + 1) + w] = (
-            images[i].clamp(-1, 1) + 1
-        ) / 2
+    canvas = plot.image_grid(images, ncol=ncol, pad=1).float() / 255  # the library's tiling
     fig, ax = plt.subplots(figsize=(ncol * 0.35 + 0.2, nrow * 0.35 + (0.4 if title else 0.2)))
     ax.imshow(canvas.numpy(), cmap="gray_r", vmin=0, vmax=1, interpolation="nearest")
     ax.axis("off")

@@ -9,6 +9,7 @@ from torch import nn
 
 from _tiny import TinyNet, one_thread  # noqa: F401 (one_thread is a fixture)
 from purestep import optim, rng, testing, value_and_grad
+from purestep.export import module_variables
 from purestep.methods import dmd2, flow
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -45,7 +46,7 @@ def _setup(
 ) -> tuple[TinyNet, TinyNet, dmd2.DMD2Config, TensorDict, list[TensorDict]]:
     classes = 3 if name == "data_2step_cfg" else None
     student, teacher = TinyNet(classes=classes, seed=1), TinyNet(classes=classes, seed=2)
-    state = dmd2.init_state(student, teacher, opts, seed=3)
+    state = dmd2.init_state(student=student, critic=teacher, optimizers=opts, seed=3)
     # a critic that differs from the teacher, so the student's gradient is non-zero
     state["params", "critic"] = flow.frozen_params(TinyNet(classes=classes, seed=4))
     batches = [_batch(20 + i, classes=classes) for i in range(3)]
@@ -61,11 +62,25 @@ def test_dmd2_step_is_pure_deterministic_and_donation_safe(name: str) -> None:
     """The step leaves inputs untouched, repeats bitwise, and donate=True equals donate=False."""
     opts = _adam_opts()
     student, teacher, cfg, state, batches = _setup(name, opts)
-    step = dmd2.make_step(student, teacher, None, opts, cfg)
+    step = dmd2.make_step(
+        student=student,
+        teacher=teacher,
+        teacher_params=module_variables(teacher),
+        optimizers=opts,
+        config=cfg,
+    )
     testing.assert_pure(step, state, batches[0])
     testing.assert_deterministic(step, state, batches)
     testing.assert_donation_safe(
-        lambda d: dmd2.make_step(student, teacher, None, opts, cfg, donate=d, ema=0.9),
+        lambda d: dmd2.make_step(
+            student=student,
+            teacher=teacher,
+            teacher_params=module_variables(teacher),
+            optimizers=opts,
+            config=cfg,
+            donate=d,
+            ema=0.9,
+        ),
         state,
         batches,
     )
@@ -77,7 +92,14 @@ def test_dmd2_is_accumulation_invariant(name: str) -> None:
     opts = {"student": optim.sgd(lr=0.1), "critic": optim.sgd(lr=0.1, momentum=0.5)}
     student, teacher, cfg, state, batches = _setup(name, opts)
     testing.assert_accumulation_invariant(
-        lambda k: dmd2.make_step(student, teacher, None, opts, cfg, accumulate=k),
+        lambda k: dmd2.make_step(
+            student=student,
+            teacher=teacher,
+            teacher_params=module_variables(teacher),
+            optimizers=opts,
+            config=cfg,
+            accumulate=k,
+        ),
         state,
         batches,
         ks=(1, 2, 4),
@@ -90,7 +112,13 @@ def test_student_updates_every_n_steps_and_critic_every_step(interval: int) -> N
     opts = _adam_opts()
     student, teacher, _, state, batches = _setup("one_step", opts)
     cfg = dmd2.DMD2Config(generator_update_interval=interval)
-    step = dmd2.make_step(student, teacher, None, opts, cfg)
+    step = dmd2.make_step(
+        student=student,
+        teacher=teacher,
+        teacher_params=module_variables(teacher),
+        optimizers=opts,
+        config=cfg,
+    )
     seq = batches * 2
     testing.assert_cadence(step, state, seq, "student", interval)
     testing.assert_cadence(step, state, seq, "critic", 1)
@@ -100,12 +128,18 @@ def test_student_work_is_skipped_when_not_live() -> None:
     """On a critic-only step the loss has no student term and no student metrics."""
     opts = _adam_opts()
     student, teacher, cfg, state, batches = _setup("one_step", opts)
-    grad_fn = value_and_grad(dmd2.loss_fn(student, teacher, None, cfg))
+    grad_fn = value_and_grad(
+        dmd2.loss_fn(
+            student=student, teacher=teacher, teacher_params=module_variables(teacher), config=cfg
+        )
+    )
     grads, metrics = grad_fn(state["params"], batches[0], rng.key(0), roles=["critic"])
     assert list(grads.keys()) == ["critic"]
-    assert "dmd_g_abs" not in metrics.keys() and ("student", "loss") not in metrics.keys(True)
+    assert ("student", "dmd_g_abs") not in metrics.keys(True)
+    assert ("student", "loss") not in metrics.keys(True)
     grads, metrics = grad_fn(state["params"], batches[0], rng.key(0), roles=["student", "critic"])
-    assert set(grads.keys()) == {"student", "critic"} and "dmd_g_abs" in metrics.keys()
+    assert set(grads.keys()) == {"student", "critic"}
+    assert ("student", "dmd_g_abs") in metrics.keys(True)
 
 
 @pytest.mark.parametrize("rollout", ["simulate", "data"])
@@ -113,9 +147,15 @@ def test_student_gradient_vanishes_when_critic_equals_teacher(rollout: str) -> N
     """With critic == teacher and guidance 1, g == 0: zero student loss and gradient."""
     opts = _adam_opts()
     student, teacher = TinyNet(seed=1), TinyNet(seed=2)
-    state = dmd2.init_state(student, teacher, opts, seed=0)  # critic starts as the teacher
+    state = dmd2.init_state(
+        student=student, critic=teacher, optimizers=opts, seed=0
+    )  # critic starts as the teacher
     cfg = dmd2.DMD2Config(student_steps=(1.0, 0.5), rollout=rollout)  # type: ignore[arg-type]
-    grad_fn = value_and_grad(dmd2.loss_fn(student, teacher, None, cfg))
+    grad_fn = value_and_grad(
+        dmd2.loss_fn(
+            student=student, teacher=teacher, teacher_params=module_variables(teacher), config=cfg
+        )
+    )
     grads, metrics = grad_fn(state["params"], _batch(0), rng.key(0), roles=["student"])
     assert float(metrics["student", "loss"]) == 0.0
     for g in grads["student"].values(True, True):
@@ -140,7 +180,14 @@ def test_student_gradient_points_from_fake_towards_real() -> None:
     params = TensorDict(
         {"student": flow.frozen_params(student), "critic": flow.frozen_params(_PointMass(b))}, []
     )
-    grad_fn = value_and_grad(dmd2.loss_fn(student, teacher, None, dmd2.DMD2Config()))
+    grad_fn = value_and_grad(
+        dmd2.loss_fn(
+            student=student,
+            teacher=teacher,
+            teacher_params=module_variables(teacher),
+            config=dmd2.DMD2Config(),
+        )
+    )
     grads, _ = grad_fn(params, _batch(0), rng.key(0), roles=["student"])
     step_dir = -grads["student", "a"]
     cos = torch.dot(step_dir, a - b) / (step_dir.norm() * (a - b).norm())
@@ -151,7 +198,7 @@ def test_init_state_copies_the_teacher_into_the_critic() -> None:
     """The critic starts as an independent copy of the teacher's params; the teacher is not state."""
     opts = _adam_opts()
     student, teacher = TinyNet(seed=1), TinyNet(seed=2)
-    state = dmd2.init_state(student, teacher, opts, seed=0)
+    state = dmd2.init_state(student=student, critic=teacher, optimizers=opts, seed=0)
     assert set(state["params"].keys()) == {"student", "critic"}
     testing.assert_trees_equal(state["params", "critic"], flow.frozen_params(teacher))
     state["params", "critic", "out", "bias"].add_(1.0)
@@ -163,7 +210,14 @@ def test_teacher_module_is_unchanged_by_training() -> None:
     opts = _adam_opts()
     student, teacher, cfg, state, batches = _setup("one_step", opts)
     before = flow.frozen_params(teacher)
-    step = dmd2.make_step(student, teacher, None, opts, cfg, donate=True)
+    step = dmd2.make_step(
+        student=student,
+        teacher=teacher,
+        teacher_params=module_variables(teacher),
+        optimizers=opts,
+        config=cfg,
+        donate=True,
+    )
     for b in batches:
         state, _ = step(state, b)
     testing.assert_trees_equal(flow.frozen_params(teacher), before)
@@ -180,4 +234,9 @@ def test_config_validation_names_the_field() -> None:
     with pytest.raises(ValueError, match="null_cond"):
         dmd2.DMD2Config(cond_keys=("label",), guidance_scale=2.0)
     with pytest.raises(KeyError, match="critic"):
-        dmd2.make_step(TinyNet(), TinyNet(), None, {"student": optim.sgd(lr=0.1)})
+        dmd2.make_step(
+            student=TinyNet(),
+            teacher=TinyNet(),
+            teacher_params=module_variables(TinyNet()),
+            optimizers={"student": optim.sgd(lr=0.1)},
+        )

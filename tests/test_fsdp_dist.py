@@ -359,24 +359,43 @@ def _dmd2_parts(cfg: Cfg) -> tuple[nn.Module, nn.Module, nn.Module, dict[str, An
 
 
 def run_dmd2_single(cfg: Cfg, steps: int) -> TensorDict:
+    from purestep import export
     from purestep.methods import dmd2
 
     student, teacher, critic, opts, config = _dmd2_parts(cfg)
-    state = dmd2.init_state(student, teacher, opts, seed=0, critic=critic)
-    step = dmd2.make_step(student, teacher, critic, opts, config, accumulate=cfg.k)
+    state = dmd2.init_state(student=student, critic=critic, optimizers=opts, seed=0)
+    step = dmd2.make_step(
+        student=student,
+        teacher=teacher,
+        teacher_params=export.module_variables(teacher),
+        critic=critic,
+        optimizers=opts,
+        config=config,
+        accumulate=cfg.k,
+    )
     for s in range(steps):
         state, _ = step(state, global_batch(cfg, s))
     return state
 
 
 def task_dmd2(cfg: Cfg, steps: int) -> TensorDict:
+    from purestep import export
     from purestep.methods import dmd2
 
     student, teacher, critic, opts, config = _dmd2_parts(cfg)
     mesh = _mesh(cfg)
     bs, bc = fsdp.bind(student, mesh=mesh, shard=[Block]), fsdp.bind(critic, mesh=mesh)
     state = ps.init_state({"student": bs, "critic": bc}, opts, seed=0)
-    step = dmd2.make_step(student, teacher, critic, opts, config, accumulate=cfg.k, donate=True)
+    step = dmd2.make_step(
+        student=student,
+        teacher=teacher,
+        teacher_params=export.module_variables(teacher),
+        critic=critic,
+        optimizers=opts,
+        config=config,
+        accumulate=cfg.k,
+        donate=True,
+    )
     for s in range(steps):
         state, _ = step(state, fsdp.shard_batch(global_batch(cfg, s), mesh))
     return full(state)

@@ -3,6 +3,7 @@ position, metrics and sinks, preemption by SIGINT, bad inputs; and ``purestep.pl
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -18,7 +19,7 @@ from tensordict import TensorDict, TensorDictBase
 
 import purestep as ps
 from purestep import checkpoint as ckpt
-from purestep import loop
+from purestep import loop, plot
 from purestep.testing import assert_trees_equal, snapshot
 
 # -- fixtures: a small regression model, and a toy step whose metrics are known in advance ----
@@ -411,6 +412,66 @@ def test_eval_metrics_are_logged_with_the_eval_prefix() -> None:
     assert {"s", "eval/acc"} <= set(by_step[6])
 
 
+class _ImageRecord(_Record):
+    def __init__(self) -> None:
+        super().__init__()
+        self.images: list[tuple[int, str, torch.Tensor]] = []
+
+    def image(self, step: int, name: str, pixels: torch.Tensor) -> None:
+        self.images.append((step, name, pixels))
+
+
+def test_eval_images_are_written_as_png_files_and_to_image_sinks(tmp_path: Path) -> None:
+    """eval_fn may return loop.Image values next to its scalars: each becomes
+    images/eval_<name>_<step>.png (decoded pixel for pixel) and reaches sinks with image();
+    the scalar records are unchanged."""
+    image_mod = pytest.importorskip("PIL.Image")
+    rec = _ImageRecord()
+
+    def eval_fn(state: TensorDictBase) -> dict[str, Any]:
+        v = state["acc"].float() / 10
+        return {"acc": state["acc"], "samples": loop.Image(torch.stack([v.expand(2, 3)] * 3))}
+
+    _run(
+        _Toy(),
+        _toy_state(),
+        _toy_data(3),
+        num_steps=4,
+        checkpoint_dir=tmp_path,
+        sinks=("jsonl", rec),
+        eval_fn=eval_fn,
+        eval_every=2,
+    )
+    assert [(s, n) for s, n, _ in rec.images] == [(2, "eval/samples"), (4, "eval/samples")]
+    for step, _, pixels in rec.images:
+        acc = float(sum(i % 3 for i in range(step)))  # batch i holds v = i % 3
+        want = plot.image_grid(torch.full((3, 2, 3), acc / 10))
+        assert torch.equal(pixels, want)
+        with image_mod.open(tmp_path / "images" / f"eval_samples_{step:08d}.png") as im:
+            back = torch.frombuffer(bytearray(im.tobytes()), dtype=torch.uint8)
+            assert torch.equal(back.reshape(pixels.shape), pixels)
+    records = loop.read_metrics(tmp_path / "metrics.jsonl")
+    assert all("eval/samples" not in r for r in records)
+    if importlib.util.find_spec("tensorboard") is not None:  # the tensorboard sink's images
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        tb = tmp_path / "tb"
+        _run(
+            _Toy(),
+            _toy_state(),
+            _toy_data(3),
+            num_steps=4,
+            sinks=[loop.TensorBoardSink(tb)],
+            eval_fn=eval_fn,
+            eval_every=2,
+        )
+        acc = EventAccumulator(str(tb))
+        acc.Reload()
+        got = [(e.step, e.width, e.height) for e in acc.Images("eval/samples")]
+        assert got == [(2, 9, 7), (4, 9, 7)]
+    assert [r.get("eval/acc") for r in records] == [None, 1.0, None, 3.0]
+
+
 # -- preemption ----------------------------------------------------------------------------
 
 
@@ -443,6 +504,59 @@ def test_sigint_saves_at_the_current_step_and_resumes_exactly(tmp_path: Path) ->
     out = _run(step, snapshot(state), data, num_steps=9, checkpoint_dir=tmp_path, save_every=3)
     assert_trees_equal(out, _hand_loop(step, snapshot(state), data, 9))
     assert [r["step"] for r in loop.read_metrics(tmp_path / "metrics.jsonl")] == list(range(1, 10))
+
+
+class _SignalAt:
+    """The toy step, sending ``sig`` to this process once, after it computes step ``at``."""
+
+    def __init__(self, at: int, sig: int) -> None:
+        self.at, self.sig, self.sent = at, sig, False
+
+    def __call__(self, state: TensorDictBase, batch: TensorDictBase) -> Any:
+        out, metrics = _Toy()(state, batch)
+        if int(out["step"]) == self.at and not self.sent:
+            self.sent = True
+            os.kill(os.getpid(), self.sig)
+        return out, metrics
+
+
+@settings(max_examples=8, deadline=None)
+@given(at=st.integers(1, 9), log_every=st.integers(1, 5), save_every=st.sampled_from([None, 3]))
+def test_a_preempted_and_resumed_run_logs_what_an_uninterrupted_one_logs(
+    tmp_path_factory: pytest.TempPathFactory, at: int, log_every: int, save_every: int | None
+) -> None:
+    """SIGTERM after any step, then resume='latest': metrics.jsonl equals the uninterrupted run's
+    (the window's metrics before the stop are carried in the checkpoint, not logged early)."""
+    ref_dir, dirs = tmp_path_factory.mktemp("ref"), tmp_path_factory.mktemp("pre")
+    kw: dict[str, Any] = {"num_steps": 10, "log_every": log_every, "save_every": save_every}
+    kw["sinks"] = ("jsonl",)
+    _run(_Toy(), _toy_state(), _toy_data(3), checkpoint_dir=ref_dir, **kw)
+    with pytest.raises(loop.Preempted):
+        _run(_SignalAt(at, signal.SIGTERM), _toy_state(), _toy_data(3), checkpoint_dir=dirs, **kw)
+    _run(_Toy(), _toy_state(), _toy_data(3), checkpoint_dir=dirs, resume="latest", **kw)
+    ref = (ref_dir / "metrics.jsonl").read_text()
+    assert (dirs / "metrics.jsonl").read_text() == ref
+
+
+def test_preemption_prints_the_checkpoint_and_how_to_resume(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """SIGTERM: stderr names the signal, the step, the checkpoint and resume='latest'; without a
+    checkpoint_dir it says nothing was saved."""
+    with pytest.raises(loop.Preempted):
+        _run(
+            _SignalAt(4, signal.SIGTERM),
+            _toy_state(),
+            _toy_data(3),
+            num_steps=9,
+            checkpoint_dir=tmp_path,
+        )
+    err = capsys.readouterr().err
+    assert "SIGTERM received; stopped after step 4" in err
+    assert str(ckpt.step_dir(tmp_path, 4)) in err and "resume='latest'" in err
+    with pytest.raises(loop.Preempted):
+        _run(_SignalAt(2, signal.SIGTERM), _toy_state(), _toy_data(3), num_steps=9)
+    assert "nothing was saved" in capsys.readouterr().err
 
 
 def test_a_second_signal_interrupts_at_once(tmp_path: Path) -> None:

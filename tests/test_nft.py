@@ -63,7 +63,7 @@ def _make(
         sample_steps=3,
         inner_epochs=2,
         minibatch_size=4,
-        accumulate_steps=k,
+        accumulate=k,
         decay=decay,
         donate=donate,
     )
@@ -276,7 +276,7 @@ def test_nft_gradient_at_the_old_policy_is_rho_weighted_flow_matching_gradient(
     net = VelocityNet(seed=seed % 7).double()
     p = ps.params_of("student", net)
     cfg = nft.NFTConfig(beta=beta, kl_weight=0.0, cond_keys=("label",))
-    loss_fn = nft.nft_loss_fn(net, None, None, cfg)
+    loss_fn = nft.loss_fn(net, None, None, cfg)
     batch = _loss_batch(seed, 6)
     key = rng.key(seed)
     params = TensorDict({"student": p, "old": tree.clone(p)}, [])
@@ -290,7 +290,7 @@ def test_nft_gradient_vanishes_for_zero_advantage_at_the_old_policy() -> None:
     """adv = 0 (rho = 1/2), student == old, no KL: the positive and negative terms cancel."""
     net = VelocityNet().double()
     p = ps.params_of("student", net)
-    loss_fn = nft.nft_loss_fn(net, None, None, nft.NFTConfig(kl_weight=0.0, cond_keys=("label",)))
+    loss_fn = nft.loss_fn(net, None, None, nft.NFTConfig(kl_weight=0.0, cond_keys=("label",)))
     batch = _loss_batch(0, 8, adv=torch.zeros(8, dtype=torch.float64))
     params = TensorDict({"student": p, "old": tree.clone(p)}, [])
     grads, metrics = ps.value_and_grad(loss_fn)(params, batch, rng.key(1), roles=["student"])
@@ -308,7 +308,7 @@ def test_kl_term_gradient_is_the_squared_velocity_distance_gradient() -> None:
     batch = _loss_batch(2, 5, adv=torch.zeros(5, dtype=torch.float64))
     key = rng.key(4)
     params = TensorDict({"student": p, "old": tree.clone(p)}, [])
-    grads, metrics = ps.value_and_grad(nft.nft_loss_fn(net, None, ref, cfg))(
+    grads, metrics = ps.value_and_grad(nft.loss_fn(net, None, ref, cfg))(
         params, batch, key, roles=["student"]
     )
     x0, idx = batch["x0"], batch["index"]
@@ -326,26 +326,26 @@ def test_kl_term_gradient_is_the_squared_velocity_distance_gradient() -> None:
     testing.assert_trees_close(
         grads["student"], tree.rebuild(p, list(expected)), rtol=1e-9, atol=1e-12
     )
-    assert math.isclose(float(metrics["kl"]), float(kl.detach()), rel_tol=1e-12)
+    assert math.isclose(float(metrics["student", "kl"]), float(kl.detach()), rel_tol=1e-12)
 
 
 def test_old_params_get_no_gradient_and_kl_needs_a_reference() -> None:
     """The old policy is passed detached; kl_weight > 0 without reference params is an error."""
     net = VelocityNet().double()
     p = ps.params_of("student", net)
-    loss_fn = nft.nft_loss_fn(net, None, p, nft.NFTConfig(cond_keys=("label",)))
+    loss_fn = nft.loss_fn(net, None, p, nft.NFTConfig(cond_keys=("label",)))
     params = TensorDict({"student": p, "old": tree.clone(p)}, [])
     grads, _ = ps.value_and_grad(loss_fn)(params, _loss_batch(0, 4), rng.key(0), roles=["student"])
     assert list(grads.keys()) == ["student"]
     with pytest.raises(ValueError, match="reference_params"):
-        nft.nft_loss_fn(net, None, None, nft.NFTConfig(kl_weight=0.1))
+        nft.loss_fn(net, None, None, nft.NFTConfig(kl_weight=0.1))
 
 
 def test_inner_grad_fn_is_accumulation_invariant() -> None:
     """train_step(accumulate(value_and_grad(nft_loss), k)) gives the same state for k = 1, 2, 4."""
     net = VelocityNet()
     cfg = nft.NFTConfig(kl_weight=0.1, cond_keys=("label",))
-    loss_fn = nft.nft_loss_fn(net, None, ps.params_of("reference", VelocityNet(seed=4)), cfg)
+    loss_fn = nft.loss_fn(net, None, ps.params_of("reference", VelocityNet(seed=4)), cfg)
     opt = optim.adamw(1e-2)
     batch = _loss_batch(3, 8).apply(lambda t: t.float() if t.is_floating_point() else t)
     testing.assert_accumulation_invariant(
@@ -428,9 +428,17 @@ def test_counters_keys_and_roles_after_outer_steps() -> None:
     outer_keys = {int(rng.fold_in(state["rng"], s)) for s in range(8)}
     assert len(inner_keys) == 8
     assert not inner_keys & outer_keys
-    for name in ("reward", "reward_std", "loss", "policy_loss", "kl", "rho", "old_decay"):
+    for name in (
+        ("rollout", "reward"),
+        ("rollout", "reward_std"),
+        "loss",
+        ("student", "policy_loss"),
+        ("student", "kl"),
+        ("student", "rho"),
+        ("old", "decay"),
+    ):
         assert name in metrics, name
-    assert float(metrics["old_decay"]) == 1.0
+    assert float(metrics["old", "decay"]) == 1.0
 
 
 def test_decay_zero_makes_old_equal_student_after_each_outer_step() -> None:
@@ -510,3 +518,27 @@ def test_nft_increases_the_reward_of_a_random_policy() -> None:
     after = mean_reward(state)
     print(f"reward before {before:.3f} after {after:.3f}")
     assert after > before + 0.15, (before, after)
+
+
+def test_deprecated_names_warn_and_still_work() -> None:
+    """nft_loss_fn and make_step(accumulate_steps=) are the old names of loss_fn / accumulate=."""
+    net = VelocityNet(seed=0).double()
+    cfg = nft.NFTConfig(kl_weight=0.0, cond_keys=("label",))
+    with pytest.warns(DeprecationWarning, match="nft.loss_fn"):
+        old = nft.nft_loss_fn(net, None, None, cfg)
+    batch = _loss_batch(0, 4)
+    params = TensorDict({"student": ps.params_of("s", net), "old": ps.params_of("o", net)}, [])
+    a, _ = old(params, batch, rng.key(0))
+    b, _ = nft.loss_fn(net, None, None, cfg)(params, batch, rng.key(0))
+    assert torch.equal(a, b)
+    with pytest.warns(DeprecationWarning, match="accumulate="):
+        step = nft.make_step(
+            net,
+            lambda x, c: x[:, 0],
+            ps.optim.sgd(0.1),
+            reference_params=None,
+            sample_shape=(2,),
+            config=cfg,
+            accumulate_steps=2,
+        )
+    assert step.inner.grad_fn is not None

@@ -21,7 +21,7 @@ import importlib
 from types import ModuleType
 from typing import TYPE_CHECKING
 
-from purestep import optim, rng, tree
+from purestep import export, optim, rng, tree
 from purestep.state import buffers_of, init_state, params_of, roles, variables
 from purestep.step import (
     EMAStep,
@@ -67,6 +67,7 @@ __all__ = [
     "call_scope",
     "checkpoint",
     "current_microbatch",
+    "export",
     "init_state",
     "live_roles",
     "loop",

@@ -10,6 +10,9 @@ A metric's *family* is the last part of its name, so ``loss``,
 evaluation metrics keep their prefix (``eval/loss``, ``eval/student/loss`` ->
 ``eval/loss``). Panels come in the order loss, lr, grad_norm, then the others
 by name. Needs matplotlib (``pip install matplotlib``).
+
+Images: :func:`image_grid` tiles a batch of images into one ``uint8`` image
+and :func:`write_png` writes it (standard library only), for sample grids.
 """
 
 from __future__ import annotations
@@ -21,9 +24,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from purestep._images import image_grid, write_png
 from purestep.loop import read_metrics
 
-__all__ = ["families", "main", "plot_metrics"]
+__all__ = ["families", "image_grid", "main", "plot_metrics", "write_png"]
 
 _FIRST = ("loss", "lr", "grad_norm")
 

@@ -70,8 +70,9 @@ def prepare(
     """Every check that can fail before DCP reads, agreed by all ranks.
 
     Returns ``(metadata.json, flat like, .metadata bytes)``. With ``donate`` and
-    ``verify``, each rank then reads and checks its share of every record, so a
-    damaged checkpoint fails here, before the live state is touched.
+    ``verify``, each rank then reads and checks its share of every record this
+    load reads (the keys of ``like``), so a damaged checkpoint fails here,
+    before the live state is touched.
     """
     problem: CheckpointError | None = None
     md: dict[str, Any] = {}
@@ -84,11 +85,20 @@ def prepare(
     _raise_agreed(group, problem, f"loading checkpoint {path}")
     if donate and verify:  # check every byte before anything is written into the live state
         try:
-            verify_records(path, md, rank=_rank(group), world=_world(group))
+            verify_records(path, _only(md, flat_like), rank=_rank(group), world=_world(group))
         except CheckpointError as e:
             problem = e
         _raise_agreed(group, problem, f"loading checkpoint {path}")
     return md, flat_like, dcp_md
+
+
+def _only(md: dict[str, Any], flat_like: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+    """``md`` whose integrity records are those of ``flat_like``'s keys (a partial load's)."""
+    recs = md["integrity"]["records"]
+    kept = [r for r in recs if r.get("key") in flat_like]
+    if len(kept) == len(recs):
+        return md
+    return {**md, "integrity": {**md["integrity"], "records": kept}}
 
 
 def read(

@@ -7,9 +7,9 @@ Every leaf must be a tensor (any dtype, bitwise round trip); a non-tensor leaf
 fails the save instead of being dropped.
 
 Integrity: every tensor record's bytes are hashed while they are written
-(``xxh3_64``: about 4 GB/s here, against 1.0 GB/s for ``zlib.crc32``; see
-``_ckpt_integrity``) and the checksums, each data file's size, the checksum
-of DCP's ``.metadata`` and the algorithm's name go into ``metadata.json``,
+(``xxh3_64``; ``benchmarks/checksum.py`` measures it against
+``zlib.crc32``) and the checksums, each data file's size, the checksum of
+DCP's ``.metadata`` and the algorithm's name go into ``metadata.json``,
 which carries a checksum of its own. :func:`load` verifies every record it
 reads (``verify=True``, the default), :func:`verify` (and ``python -m
 purestep.checkpoint verify PATH``) checks a whole checkpoint without a model,
@@ -88,7 +88,7 @@ from __future__ import annotations
 import os
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, overload
 
@@ -343,14 +343,55 @@ def save(
 # -- load ----------------------------------------------------------------------------------
 
 
+def _prefix(key: str | Sequence[str]) -> str:
+    if isinstance(key, str):
+        return key
+    if isinstance(key, Sequence) and key and all(isinstance(k, str) for k in key):
+        return ".".join(key)
+    raise TypeError(f"load: keys entries must be dotted str or tuples of str, got {key!r}")
+
+
+def _selected(
+    saved: Mapping[str, Any], keys: Sequence[str | Sequence[str]] | None, p: Path
+) -> dict[str, Any]:
+    """The saved keys under the prefixes ``keys`` (all without); a prefix that selects nothing raises."""
+    if keys is None:
+        return dict(saved)
+    prefixes = [_prefix(k) for k in keys]
+    out = {k: v for k, v in saved.items() if any(k == q or k.startswith(q + ".") for q in prefixes)}
+    empty = [q for q in prefixes if not any(k == q or k.startswith(q + ".") for k in saved)]
+    if empty:
+        tops = sorted({k.split(".")[0] for k in saved})
+        raise CheckpointMismatchError(
+            f"checkpoint {p} has no key {', '.join(map(repr, empty))} (nor any under it); its "
+            f"top-level keys are {tops}",
+            path=p,
+            key=empty[0],
+        )
+    return out
+
+
+def _template(selected: Mapping[str, Any]) -> TensorDictBase:
+    """CPU tensors shaped and typed as the checkpoint's ``selected`` keys, nested."""
+    items = []
+    for k, info in selected.items():
+        dtype = getattr(torch, str(info["dtype"]), None)
+        if not isinstance(dtype, torch.dtype):
+            raise CheckpointFormatError(f"load: unknown dtype {info['dtype']!r} of key {k!r}")
+        items.append((tuple(k.split(".")), torch.empty(list(info["shape"]), dtype=dtype)))
+    return tree.unflatten(items)
+
+
 def load(
     path: str | os.PathLike[str],
     *,
-    like: TensorDictBase,
+    like: TensorDictBase | None = None,
+    keys: Sequence[str | Sequence[str]] | None = None,
+    strict: bool = True,
     donate: bool = False,
     verify: bool = True,
 ) -> TensorDictBase:
-    """Load the checkpoint at ``path`` into a state shaped like ``like``, verifying its checksums.
+    """Load the checkpoint at ``path`` (or a part of it) into a state shaped like ``like``, verified.
 
     ``like`` gives the keys, global shapes, dtypes, devices and shardings
     (DTensor placements) to load into; the checkpoint may have been saved on a
@@ -359,15 +400,27 @@ def load(
     :class:`CheckpointMismatchError`; per-rank values are ignored (see
     :func:`load_per_rank`). With a process group, every rank raises together.
 
+    Partial loads read only the records they need, each verified as in a full
+    load: ``keys=["ema.student"]`` (dotted prefixes, or tuples such as
+    ``("ema", "student")``) selects the subtrees under those keys, and
+    ``like`` then describes just them; without ``like`` they come back as CPU
+    tensors shaped and typed as saved (an export of EMA weights, say).
+    ``strict=False`` loads ``like``'s keys and ignores the checkpoint's other
+    keys (a key of ``like`` that the checkpoint lacks still raises).
+
     Args:
         path: a complete checkpoint directory.
-        like: a template state (e.g. the freshly initialised one).
+        like: a template state (e.g. the freshly initialised one); optional
+            with ``keys``.
+        keys: load only the keys under these prefixes.
+        strict: with ``False``, checkpoint keys that ``like`` lacks are not an
+            error (they are not read).
         donate: load in place into ``like``'s own tensors and return ``like``.
             Needed when the state's params alias module parameters (an FSDP
             bound state), which must keep their identity. With ``verify``,
             every record this load needs is read and checked *before* the
-            first byte is written into ``like`` (one extra read of the
-            checkpoint), so a damaged checkpoint never tears the live state.
+            first byte is written into ``like`` (one extra read of those
+            records), so a damaged checkpoint never tears the live state.
             Without ``donate``, ``like`` is never modified and the result has
             fresh tensors (``torch.empty_like`` of each leaf, so the same
             placements).
@@ -380,22 +433,41 @@ def load(
             checkpoint this purestep reads.
         CheckpointCorruptError: the checkpoint is damaged (names file and key);
             ``like`` is unchanged (with ``donate=True`` only when ``verify``).
-        CheckpointMismatchError: the keys, shapes or dtypes differ from ``like``'s.
+        CheckpointMismatchError: the keys, shapes or dtypes differ from
+            ``like``'s (or a ``keys`` prefix selects nothing).
         CheckpointReadError: an I/O error or failed collective (cause chained).
 
     Example:
         >>> import tempfile, torch
         >>> from tensordict import TensorDict
-        >>> state = TensorDict({"w": torch.arange(3.0)}, [])
+        >>> state = TensorDict({"w": torch.arange(3.0), "ema": {"w": torch.ones(3)}}, [])
         >>> d = tempfile.mkdtemp() + "/ckpt"
         >>> save(state, d)
         >>> load(d, like=state.apply(torch.zeros_like))["w"]
         tensor([0., 1., 2.])
+        >>> load(d, keys=["ema"])["ema", "w"]
+        tensor([1., 1., 1.])
     """
     wait_pending()
     p = Path(path)
+    if like is None:
+        if keys is None:
+            raise TypeError(
+                "load: pass like= (a template state), keys= (prefixes to load), or both"
+            )
+        if donate:
+            raise ValueError("load: donate=True needs like= (the tensors to load into)")
+        like = _template(_selected(read_metadata(p).get("keys", {}), keys, p))
     group = _group()
-    md, flat_like, dcp_md = prepare(p, like, group, lambda md: md["keys"], "state", donate, verify)
+    flat_names = set(flatten(like, "like")) if not strict else set()
+
+    def expected(md: Mapping[str, Any]) -> Any:
+        saved = _selected(md["keys"], keys, p)
+        if strict:
+            return saved
+        return {k: v for k, v in saved.items() if k in flat_names}
+
+    md, flat_like, dcp_md = prepare(p, like, group, expected, "state", donate, verify)
     dst = read_into(group, p, flat_like, donate, md, verify, dcp_md)
     if donate:
         return like

@@ -26,13 +26,21 @@ Example:
 """
 
 from purestep.loop._run import LOOP_KEY, BatchKeyError, CollectiveTimeoutError, Preempted, run
-from purestep.loop._sinks import CSVSink, JSONLSink, Sink, TensorBoardSink, read_metrics
+from purestep.loop._sinks import (
+    CSVSink,
+    Image,
+    JSONLSink,
+    Sink,
+    TensorBoardSink,
+    read_metrics,
+)
 
 __all__ = [
     "LOOP_KEY",
     "BatchKeyError",
     "CSVSink",
     "CollectiveTimeoutError",
+    "Image",
     "JSONLSink",
     "Preempted",
     "Sink",

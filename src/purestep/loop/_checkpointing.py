@@ -16,7 +16,16 @@ from purestep.distributed import checkpoint as ckpt
 from purestep.loop._data import DataStream, decode_state
 from purestep.step import is_bound
 
-__all__ = ["LOOP_KEY", "probe_writable", "rank", "restore", "restore_any", "resume_sources", "save"]
+__all__ = [
+    "LOOP_KEY",
+    "pending_metrics",
+    "probe_writable",
+    "rank",
+    "restore",
+    "restore_any",
+    "resume_sources",
+    "save",
+]
 
 LOOP_KEY = "loop"
 """Top-level checkpoint key of the loop's own values (``loop.batches_consumed``)."""
@@ -207,6 +216,7 @@ def save(
     keep_last: int,
     *,
     async_: bool = False,
+    pending_metrics: dict[str, list[str]] | None = None,
 ) -> Path:
     """Save ``state`` plus the data position at ``step_dir(root, step)``; prune to ``keep_last``.
 
@@ -217,6 +227,8 @@ def save(
     renamed to ``<name>.damaged-<token>`` first and kept; the save never
     replaces an existing checkpoint (another job writing the same directory
     makes it fail with :class:`purestep.checkpoint.CheckpointExistsError`).
+    ``pending_metrics`` (a preemption's metrics since the last log point, see
+    :meth:`MetricBuffer.pending`) go into the metadata, for :func:`pending_metrics`.
     """
     full = state.copy()
     full.set(LOOP_KEY, TensorDict({"batches_consumed": _scalar(stream.consumed)}, []))
@@ -228,11 +240,25 @@ def save(
         path,
         async_=async_,
         per_rank=TensorDict({LOOP_KEY: stream.per_rank()}, []),
-        metadata={"loop": {"batches_consumed": stream.consumed}},
+        metadata={
+            "loop": {"batches_consumed": stream.consumed}
+            | ({"pending_metrics": pending_metrics} if pending_metrics else {})
+        },
     )
     if rank() == 0:
         ckpt.prune(root, keep_last)
     return path
+
+
+def pending_metrics(path: Path) -> dict[str, Any]:
+    """The metrics a preempted run had not logged when it saved ``path`` (``{}`` if none)."""
+    loop_md = ckpt.read_metadata(path).get("metadata", {}).get(LOOP_KEY, {})
+    found = loop_md.get("pending_metrics", {}) if isinstance(loop_md, dict) else {}
+    if not isinstance(found, dict):
+        raise ckpt.CheckpointFormatError(
+            f"checkpoint {path}: metadata.loop.pending_metrics is not a mapping: {found!r}"
+        )
+    return found
 
 
 def _set_damaged_aside(path: Path) -> None:

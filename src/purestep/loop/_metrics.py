@@ -83,6 +83,45 @@ class MetricBuffer:
         """Drop the values without reading them (ranks other than 0 log nothing)."""
         self._values = {}
 
+    def pending(self) -> dict[str, list[str]]:
+        """The values since the last :meth:`pop`, exact (``float.hex``), to carry across a restart.
+
+        Each value as :meth:`pop` would average it (float64 on CPU and CUDA),
+        read to the host.
+
+        Example:
+            >>> import torch
+            >>> buf = MetricBuffer(); buf.add({"loss": torch.tensor(0.5)})
+            >>> buf.pending()
+            {'loss': ['0x1.0000000000000p-1']}
+        """
+        out: dict[str, list[str]] = {}
+        for name, vals in self._values.items():
+            dt = _acc_dtype(vals[0].device)
+            host = torch.stack([v.to(device=vals[0].device, dtype=dt) for v in vals]).cpu()
+            out[name] = [float(x).hex() for x in host.tolist()]
+        return out
+
+    def restore(self, pending: Mapping[str, Any]) -> None:
+        """Put back values saved by :meth:`pending` (as float64 CPU tensors, before any new ones).
+
+        Raises:
+            ValueError: ``pending`` is not ``{name: [float.hex strings]}``.
+
+        Example:
+            >>> buf = MetricBuffer(); buf.restore({"loss": ["0x1.0p-1"]})
+            >>> buf.pop()
+            {'loss': 0.5}
+        """
+        for name, vals in pending.items():
+            if not isinstance(name, str) or not isinstance(vals, list):
+                raise ValueError(f"pending metrics: bad entry {name!r}: {vals!r}")
+            try:
+                ts = [torch.tensor(float.fromhex(v), dtype=torch.float64) for v in vals]
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"pending metrics: bad values of {name!r}: {vals!r}") from e
+            self._values[name] = ts + self._values.get(name, [])
+
     def pop(self) -> dict[str, float]:
         """The means since the last pop, as Python floats; empties the buffer."""
         names = list(self._values)

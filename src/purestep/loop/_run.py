@@ -7,15 +7,20 @@ import datetime
 import importlib
 import os
 import re
+import signal
+import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, cast
 
+import torch
 from tensordict import TensorDict, TensorDictBase
 
+from purestep._images import write_png
 from purestep.distributed import checkpoint as ckpt
 from purestep.loop._checkpointing import (
     LOOP_KEY,
+    pending_metrics,
     probe_writable,
     restore_any,
     resume_sources,
@@ -26,7 +31,7 @@ from purestep.loop._collectives import CollectiveTimeoutError, guard_collectives
 from purestep.loop._data import DataStream
 from purestep.loop._metrics import MetricBuffer
 from purestep.loop._signals import StopSignal
-from purestep.loop._sinks import Sink, check_sinks, make_sinks
+from purestep.loop._sinks import Image, Sink, check_sinks, make_sinks
 from purestep.step import as_batch
 
 __all__ = ["LOOP_KEY", "BatchKeyError", "CollectiveTimeoutError", "Preempted", "run"]
@@ -64,6 +69,21 @@ class Preempted(SystemExit):
         self.step = int(state.get("step"))
         self.signum = signum
         self.checkpoint = checkpoint
+
+
+def _preempted_message(signum: int, step: int, root: Path | None, path: Path | None) -> str:
+    """What a preempted run prints (rank 0, stderr): the step, the checkpoint, how to resume."""
+    try:
+        name = signal.Signals(signum).name
+    except ValueError:
+        name = f"signal {signum}"
+    head = f"purestep.loop.run: {name} received; stopped after step {step}"
+    if path is None:
+        return f"{head}; no checkpoint_dir, so nothing was saved (Preempted.state holds the state)"
+    return (
+        f"{head}; checkpoint saved to {path}. To continue, run again with "
+        f"checkpoint_dir={str(root)!r} and resume='latest'"
+    )
 
 
 class BatchKeyError(KeyError):
@@ -167,13 +187,32 @@ def _short(record: Mapping[str, float]) -> dict[str, str]:
     return {k: f"{v:.4g}" for k, v in list(record.items())[:6]}
 
 
-def _evaluate(eval_fn: EvalFn, state: TensorDictBase) -> dict[str, float]:
+def _evaluate(
+    eval_fn: EvalFn, state: TensorDictBase
+) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
+    """``eval_fn``'s scalars (means, as floats) and images (top-level :class:`Image` values)."""
     out = eval_fn(state)
     if not isinstance(out, (Mapping, TensorDictBase)):
         raise TypeError(f"run: eval_fn returned {type(out).__name__}; expected a dict of metrics")
+    images: dict[str, torch.Tensor] = {}
+    if isinstance(out, Mapping):
+        images = {f"eval/{k}": v.pixels for k, v in out.items() if isinstance(v, Image)}
+        out = {k: v for k, v in out.items() if not isinstance(v, Image)}
     buf = MetricBuffer()
     buf.add(out)
-    return {f"eval/{k}": v for k, v in buf.pop().items()}
+    return {f"eval/{k}": v for k, v in buf.pop().items()}, images
+
+
+def _write_images(
+    sinks: Sequence[Any], root: Path | None, step: int, images: Mapping[str, torch.Tensor]
+) -> None:
+    """Each image to ``root/images/<name>_<step>.png`` and to the sinks with ``image()``."""
+    for name, pixels in images.items():
+        if root is not None:
+            write_png(pixels, root / "images" / f"{name.replace('/', '_')}_{step:08d}.png")
+        for sink in sinks:
+            if callable(image := getattr(sink, "image", None)):
+                image(step, name, pixels)
 
 
 def run(
@@ -227,7 +266,10 @@ def run(
             (``metrics.csv``), ``"tensorboard"`` (``tensorboard/``), or callables
             ``(step, metrics: dict[str, float]) -> None`` such as
             :class:`JSONLSink` (any path). Only rank 0 calls them.
-        eval_fn: ``eval_fn(state) -> dict`` of scalars, logged as ``eval/<name>``.
+        eval_fn: ``eval_fn(state) -> dict`` of scalars, logged as ``eval/<name>``,
+            and of :class:`Image` values (sample grids), written (rank 0) to
+            ``<checkpoint_dir>/images/eval_<name>_<step>.png`` and to sinks
+            with an ``image`` method (TensorBoard).
             Runs on every rank (it may use collectives).
         eval_every: run ``eval_fn`` every this many steps (``None``: at the last
             step only).
@@ -270,9 +312,16 @@ def run(
     without the loop's keys (saved by hand) resumes with ``state["step"]``
     batches skipped. The returned state has no loop keys.
 
-    Preemption: the first SIGTERM or SIGINT finishes the current step, writes
-    its log record, saves a checkpoint at that step (if ``checkpoint_dir``) and
-    raises :class:`Preempted` (a ``SystemExit``). A second signal acts at once.
+    Preemption: the first SIGTERM or SIGINT finishes the current step (and
+    its log record at a log point), saves a checkpoint at that step (if ``checkpoint_dir``),
+    prints (rank 0, stderr) the signal, the step, the checkpoint and how to
+    resume, and raises :class:`Preempted` (a ``SystemExit``). A second signal
+    acts at once. Metrics of the steps since the last log point are not logged
+    then but carried in the checkpoint (``metadata.loop.pending_metrics``) into
+    the resumed run's next record, so a preempted and resumed run writes the
+    same records as an uninterrupted one (bitwise on CPU; on an accelerator the
+    carried values are averaged on the CPU, equal up to rounding). Without a
+    ``checkpoint_dir`` they are logged at the stop.
 
     Raises:
         ValueError: a bad argument, a ``resume`` path older than checkpoints in
@@ -338,6 +387,9 @@ def run(
         s = int(state.get("step"))
         if s > num_steps:
             raise ValueError(f"run: resumed at step {s}, past num_steps={num_steps}")
+        buf = MetricBuffer()
+        if source is not None and rank == 0:  # a preempted window's metrics, not yet logged
+            buf.restore(pending_metrics(source))
         out_sinks = make_sinks(sinks, root) if rank == 0 else []
         bar = None
         try:
@@ -351,8 +403,6 @@ def run(
                     sink(at, record)
                 if bar is not None:
                     bar.set_postfix(_short(record), refresh=False)
-
-            buf = MetricBuffer()
 
             def take() -> dict[str, float]:
                 if rank == 0:
@@ -381,7 +431,10 @@ def run(
                         _crossed(prev, s, eval_every) if eval_every is not None else final
                     ):
                         phase[0] = f"in eval_fn at step {s}"
-                        record.update(_evaluate(eval_fn, state))
+                        scalars, images = _evaluate(eval_fn, state)
+                        record.update(scalars)
+                        if images and rank == 0:
+                            _write_images(out_sinks, root, s, images)
                     if record:
                         emit(s, record)
                     if bar is not None:
@@ -394,14 +447,19 @@ def run(
                     phase[0] = f"after step {s} (agreeing on stop signals)"
                     signum = stop.poll()
                     if signum and not final:
-                        if buf and (record := take()):
-                            emit(s, record)
                         path = None
-                        if root is not None:
+                        if root is None:
+                            if buf and (record := take()):
+                                emit(s, record)
+                        else:
                             path = ckpt.step_dir(root, s)
-                            if saved_at != s:
-                                save(root, state, stream, s, keep_last)
+                            if saved_at != s:  # not a log point: carry the window's metrics
+                                pending = buf.pending() if rank == 0 else None
+                                buf.clear()
+                                save(root, state, stream, s, keep_last, pending_metrics=pending)
                             ckpt.wait_pending()  # an async save of this very step completes first
+                        if rank == 0:
+                            print(_preempted_message(signum, s, root, path), file=sys.stderr)
                         raise Preempted(state, signum, path)
         except BaseException:
             if (

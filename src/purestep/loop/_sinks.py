@@ -8,6 +8,8 @@ with checkpoints:
   step, or 0). File sinks drop every record with a step greater than ``step``,
   since those steps are replayed after a resume.
 * ``close()``: called when the run ends (normally, by preemption or by an error).
+* ``image(step, name, pixels)``: receives the :class:`Image` values that
+  ``eval_fn`` returns (``pixels`` a ``uint8`` ``[H, W]`` or ``[H, W, 3]`` tensor).
 """
 
 from __future__ import annotations
@@ -20,8 +22,13 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol, TextIO
 
+import torch
+
+from purestep._images import image_grid
+
 __all__ = [
     "CSVSink",
+    "Image",
     "JSONLSink",
     "Sink",
     "TensorBoardSink",
@@ -209,6 +216,43 @@ def _csv_cell(value: str) -> str:
     return value
 
 
+class Image:
+    """An image for :func:`run`'s ``eval_fn`` to return next to its scalars: ``{"samples": Image(x)}``.
+
+    ``images`` is a ``uint8`` image ``[H, W]`` or ``[H, W, 3]`` (kept as is) or
+    a batch ``[N, H, W]`` / ``[N, C, H, W]`` of float images, tiled by
+    :func:`purestep.plot.image_grid` with ``value_range`` and ``ncol``. ``run``
+    writes it to ``<checkpoint_dir>/images/<name>_<step>.png`` and to every sink
+    with an ``image(step, name, pixels)`` method (the TensorBoard sink).
+
+    Attributes:
+        pixels: the ``uint8`` image ``[H, W]`` or ``[H, W, 3]``, on the CPU.
+
+    Example:
+        >>> import torch
+        >>> Image(torch.zeros(4, 1, 2, 2)).pixels.shape
+        torch.Size([7, 7])
+    """
+
+    def __init__(
+        self,
+        images: torch.Tensor,
+        *,
+        value_range: tuple[float, float] = (-1.0, 1.0),
+        ncol: int | None = None,
+    ) -> None:
+        if not isinstance(images, torch.Tensor):
+            raise TypeError(f"Image: expected a tensor, got {type(images).__name__}")
+        x = images.detach()
+        if x.dtype == torch.uint8 and (x.dim() == 2 or (x.dim() == 3 and x.shape[2] == 3)):
+            self.pixels = x.cpu()
+        else:
+            self.pixels = image_grid(x, ncol=ncol, value_range=value_range)
+
+    def __repr__(self) -> str:
+        return f"Image({tuple(self.pixels.shape)})"
+
+
 class TensorBoardSink:
     """Log scalars to TensorBoard event files in ``log_dir`` (needs the ``tensorboard`` package).
 
@@ -247,6 +291,13 @@ class TensorBoardSink:
             self._writer = self._writer_cls(str(self.log_dir))
         for name, value in metrics.items():
             self._writer.add_scalar(name, float(value), int(step))
+
+    def image(self, step: int, name: str, pixels: torch.Tensor) -> None:
+        """Log a ``uint8`` image ``[H, W]`` or ``[H, W, 3]`` (an :class:`Image`'s pixels)."""
+        if self._writer is None:
+            self._writer = self._writer_cls(str(self.log_dir))
+        fmt = "HW" if pixels.dim() == 2 else "HWC"
+        self._writer.add_image(name, pixels.numpy(), int(step), dataformats=fmt)
 
     def close(self) -> None:
         """Flush and close the event file."""

@@ -7,9 +7,13 @@ Roles:
 * ``teacher`` (frozen, *not* state): the real score, with classifier-free
   guidance ``config.guidance_scale``. Its params are constants captured by the
   loss function.
-* ``critic`` (trainable): the fake score, initialised from the teacher's
-  weights (:func:`init_state`) and trained by flow matching on the student's
-  samples.
+* ``critic`` (trainable): the fake score, usually initialised from the
+  teacher's weights (:func:`init_state`) and trained by flow matching on the
+  student's samples.
+* ``gan_head`` (trainable, optional): DMD2's classification branch on the
+  critic's features (``DMD2Config(gan=GANConfig(...))``, see
+  :mod:`._dmd2_extras`); ``DMD2Config(regression_weight=...)`` adds DMD's
+  paired regression loss to the student's.
 
 Each step (key ``k``, per-sample draws with ``index=batch["index"]``):
 
@@ -42,6 +46,7 @@ often uses ``betas=(0.0, 0.999)``).
 Example:
     >>> import torch
     >>> from torch import nn
+    >>> import purestep as ps
     >>> from purestep import optim
     >>> from purestep.methods import dmd2
     >>> class Net(nn.Module):
@@ -53,11 +58,13 @@ Example:
     >>> student, teacher = Net(), Net()
     >>> opts = {"student": optim.adam(lr=1e-4), "critic": optim.adam(lr=1e-4, betas=(0.0, 0.999))}
     >>> cfg = dmd2.DMD2Config(generator_update_interval=2)
-    >>> step = dmd2.make_step(student, teacher, None, opts, cfg)
-    >>> state = dmd2.init_state(student, teacher, opts, seed=0)
+    >>> teacher_params = ps.export.module_variables(teacher)  # the frozen teacher's weights
+    >>> step = dmd2.make_step(student=student, teacher=teacher, teacher_params=teacher_params,
+    ...                       optimizers=opts, config=cfg)
+    >>> state = dmd2.init_state(student=student, critic=teacher, optimizers=opts, seed=0)
     >>> state, metrics = step(state, {"x0": torch.zeros(8, 2)})
-    >>> sorted(metrics.keys())[:2]
-    ['critic', 'dmd_g_abs']
+    >>> sorted(metrics["student"].keys())
+    ['dmd_g_abs', 'grad_norm', 'loss', 'lr', 'x0_sq']
 """
 
 from __future__ import annotations
@@ -74,13 +81,15 @@ from torch import nn
 
 from purestep import rng, tree
 from purestep import state as _state
+from purestep.methods import _validators as _v
 from purestep.methods import flow
 from purestep.methods._common import build_step
+from purestep.methods._dmd2_extras import GANConfig, gan_losses, regression
 from purestep.methods.flow import Purpose, TimestepDist
 from purestep.optim import Transform
 from purestep.step import EMAStep, LossFn, TrainStep, live_roles
 
-__all__ = ["DMD2Config", "init_state", "loss_fn", "make_step", "student_sample"]
+__all__ = ["DMD2Config", "GANConfig", "init_state", "loss_fn", "make_step", "student_sample"]
 
 _ROLES = ("student", "critic")
 
@@ -97,26 +106,6 @@ def _student_steps(
             )
     if any(b >= a for a, b in itertools.pairwise(value)):
         raise ValueError(f"DMD2Config.{attribute.name} must be strictly decreasing, got {value!r}")
-
-
-def _positive_int(_: object, attribute: attrs.Attribute[int], value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"DMD2Config.{attribute.name} must be an int >= 1, got {value!r}")
-
-
-def _finite(_: object, attribute: attrs.Attribute[float], value: float) -> None:
-    if not (isinstance(value, int | float) and math.isfinite(value)):
-        raise ValueError(f"DMD2Config.{attribute.name} must be a finite float, got {value!r}")
-
-
-def _positive(_: object, attribute: attrs.Attribute[float], value: float) -> None:
-    if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
-        raise ValueError(f"DMD2Config.{attribute.name} must be > 0, got {value!r}")
-
-
-def _name(_: object, attribute: attrs.Attribute[str], value: str) -> None:
-    if not (isinstance(value, str) and value):
-        raise ValueError(f"DMD2Config.{attribute.name} must be a non-empty str, got {value!r}")
 
 
 def _floats(value: Any) -> tuple[float, ...]:
@@ -147,6 +136,14 @@ class DMD2Config:
         null_cond: ``{key: null value}`` for the teacher's unconditional branch
             (needed when ``cond_keys`` is set and ``guidance_scale != 1``).
         t_scale: the models receive ``t * t_scale``.
+        regression_weight: weight of DMD's paired regression loss (``0``: off;
+            see :mod:`._dmd2_extras`): the student's one-step prediction from
+            ``batch[regression_keys[0]]`` (noise) regresses onto
+            ``batch[regression_keys[1]]`` (the teacher's ODE output from it).
+        regression_keys: the batch keys ``(noise, teacher output)``.
+        gan: the GAN head on the critic's features (:class:`GANConfig`;
+            ``None``: off). Adds the role ``gan_head`` (its module is
+            ``make_step(gan_head=...)``, with an optimizer of its own).
 
     Example:
         >>> DMD2Config(student_steps=(1.0, 0.5), generator_update_interval=5).rollout
@@ -159,7 +156,7 @@ class DMD2Config:
     rollout: Literal["simulate", "data"] = attrs.field(
         default="simulate", validator=attrs.validators.in_(("simulate", "data"))
     )
-    guidance_scale: float = attrs.field(default=1.0, validator=_finite)
+    guidance_scale: float = attrs.field(default=1.0, validator=_v.finite)
     score_timesteps: TimestepDist = attrs.field(
         factory=lambda: TimestepDist(low=0.02, high=0.98),
         validator=attrs.validators.instance_of(TimestepDist),
@@ -167,13 +164,35 @@ class DMD2Config:
     critic_timesteps: TimestepDist = attrs.field(
         factory=TimestepDist, validator=attrs.validators.instance_of(TimestepDist)
     )
-    generator_update_interval: int = attrs.field(default=5, validator=_positive_int)
-    x0_key: str = attrs.field(default="x0", validator=_name)
-    cond_keys: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    generator_update_interval: int = attrs.field(default=5, validator=_v.positive_int)
+    x0_key: str = attrs.field(default="x0", validator=_v.name)
+    cond_keys: tuple[str, ...] = attrs.field(default=(), converter=tuple, validator=_v.keys)
     null_cond: Mapping[str, Any] | None = attrs.field(default=None)
-    t_scale: float = attrs.field(default=1.0, validator=_positive)
+    t_scale: float = attrs.field(default=1.0, validator=_v.positive)
+    regression_weight: float = attrs.field(default=0.0, validator=_v.non_negative)
+    regression_keys: tuple[str, str] = attrs.field(
+        default=("reg_noise", "reg_x0"), converter=tuple, validator=_v.keys
+    )
+    gan: GANConfig | None = attrs.field(
+        default=None, validator=attrs.validators.optional(attrs.validators.instance_of(GANConfig))
+    )
+
+    @property
+    def roles(self) -> tuple[str, ...]:
+        """The trainable roles: ``("student", "critic")``, plus ``"gan_head"`` with ``gan``."""
+        return (*_ROLES, "gan_head") if self.gan is not None else _ROLES
 
     def __attrs_post_init__(self) -> None:
+        if self.regression_weight > 0 and self.student_steps[0] != 1.0:
+            raise ValueError(
+                "DMD2Config.regression_weight > 0 needs student_steps[0] == 1.0 (the regression "
+                f"maps pure noise to the teacher's output), got {self.student_steps!r}"
+            )
+        if len(self.regression_keys) != 2:
+            raise ValueError(
+                f"DMD2Config.regression_keys must be (noise key, target key), got "
+                f"{self.regression_keys!r}"
+            )
         if self.rollout == "simulate" and self.student_steps[0] != 1.0:
             raise ValueError(
                 f"DMD2Config.student_steps must start at 1.0 for rollout='simulate' "
@@ -265,42 +284,58 @@ def student_sample(
 
 
 def loss_fn(
-    student_model: nn.Module,
-    teacher_model: nn.Module,
-    critic_model: nn.Module | None = None,
-    config: DMD2Config | None = None,
     *,
-    teacher_params: TensorDictBase | None = None,
+    student: nn.Module,
+    teacher: nn.Module,
+    teacher_params: TensorDictBase,
+    critic: nn.Module | None = None,
+    gan_head: nn.Module | None = None,
+    config: DMD2Config | None = None,
 ) -> LossFn:
     """The DMD2 loss ``loss_fn(params, batch, key) -> ({"student": ..., "critic": ...}, metrics)``.
 
-    ``params`` holds the ``student`` and ``critic`` roles. The teacher is frozen:
-    its params are ``teacher_params``, or a copy of ``teacher_model``'s taken
-    now (pass ``TensorDict.from_module(teacher_model)`` to avoid the copy). The
-    critic runs on ``critic_model`` (default: the teacher's module, called with
-    the critic's params). The student's work is skipped on steps where it is not
-    live (:func:`purestep.live_roles`).
+    ``params`` holds the trainable roles (``student``, ``critic``, and
+    ``gan_head`` with ``config.gan``). The teacher is frozen: it runs
+    ``teacher`` with ``teacher_params`` (required: a module's own weights may
+    be its untrained initial ones; see :mod:`purestep.export`). The critic runs
+    on ``critic`` (default: the teacher's module, called with the critic's
+    params). The student's work is skipped on steps where it is not live
+    (:func:`purestep.live_roles`).
 
     Metrics: ``(role, "loss")`` (added by :func:`purestep.value_and_grad`),
-    ``dmd_g_abs`` (mean ``|g|``, on student steps) and ``x0_sq`` (mean square of
-    the student's samples; batch means, so they combine exactly under accumulation).
+    ``("student", "dmd_g_abs")`` (mean ``|g|``, on student steps),
+    ``("student", "x0_sq")`` (mean square of the student's samples),
+    ``("student", "regression")`` with ``regression_weight`` and the GAN
+    metrics with ``gan``; all batch means, so they combine exactly under
+    accumulation.
 
     Example:
+        >>> from tensordict import TensorDict
         >>> lin = nn.Linear(2, 2)
-        >>> f = loss_fn(lin, lin, None, DMD2Config())
+        >>> f = loss_fn(student=lin, teacher=lin, teacher_params=TensorDict.from_module(lin))
         >>> callable(f)
         True
     """
     cfg = config or DMD2Config()
-    critic = teacher_model if critic_model is None else critic_model
-    t_params = (
-        flow.frozen_params(teacher_model) if teacher_params is None else teacher_params.detach()
-    )
+    if not isinstance(teacher_params, TensorDictBase):
+        raise TypeError(
+            "dmd2: teacher_params must be the frozen teacher's params as a TensorDict "
+            "(e.g. purestep.variables(teacher_state, 'student', ema=True) after training it, or "
+            f"purestep.export.module_variables(pretrained_module)); got {type(teacher_params).__name__}"
+        )
+    if (cfg.gan is None) != (gan_head is None):
+        raise ValueError(
+            "dmd2: DMD2Config.gan and the gan_head module go together (got "
+            f"gan={cfg.gan!r}, gan_head={type(gan_head).__name__})"
+        )
+    critic_model = teacher if critic is None else critic
+    t_params = teacher_params.detach()
+    roles = cfg.roles
 
     def loss(
         params: TensorDictBase, batch: TensorDictBase, key: torch.Tensor
-    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        for role in _ROLES:
+    ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        for role in roles:
             if role not in params.keys():
                 raise KeyError(
                     f"dmd2: params have no role {role!r} (roles: {sorted(params.keys())}); "
@@ -317,9 +352,10 @@ def loss_fn(
         cond = flow.batch_cond(batch, cfg.cond_keys)
         s_params = params.get("student")
         with torch.set_grad_enabled(student_live and torch.is_grad_enabled()):
-            x0_s = student_sample(student_model, s_params, x_like, key, idx, cfg, cond, data=x_like)
+            x0_s = student_sample(student, s_params, x_like, key, idx, cfg, cond, data=x_like)
         losses: dict[str, torch.Tensor] = {}
-        metrics: dict[str, torch.Tensor] = {"x0_sq": x0_s.detach().square().mean()}
+        s_metrics: dict[str, torch.Tensor] = {"x0_sq": x0_s.detach().square().mean()}
+        metrics: dict[str, Any] = {"student": s_metrics}
         if student_live:
             t = cfg.score_timesteps.sample(
                 flow.purpose_key(key, Purpose.SCORE_TIMESTEP), b, index=idx, device=dev, dtype=dt
@@ -333,24 +369,23 @@ def loss_fn(
                     else None
                 )
                 v_real = flow.guided_velocity(
-                    teacher_model,
-                    t_params,
-                    x_t,
-                    t,
-                    cond,
-                    null,
-                    cfg.guidance_scale,
-                    t_scale=cfg.t_scale,
+                    teacher, t_params, x_t, t, cond, null, cfg.guidance_scale, t_scale=cfg.t_scale
                 )
                 v_fake = flow.predict_velocity(
-                    critic, params.get("critic").detach(), x_t, t, cond, t_scale=cfg.t_scale
+                    critic_model, params.get("critic").detach(), x_t, t, cond, t_scale=cfg.t_scale
                 )
                 x0_real = flow.x0_from_velocity(x_t, t, v_real)
                 x0_fake = flow.x0_from_velocity(x_t, t, v_fake)
                 g = (x0_fake - x0_real) / _per_sample_mean_abs(x0_s.detach() - x0_real)
                 g = torch.nan_to_num(g, nan=0.0, posinf=0.0, neginf=0.0)
             losses["student"] = 0.5 * flow.mse(x0_s, (x0_s - g).detach())
-            metrics["dmd_g_abs"] = g.abs().mean()
+            s_metrics["dmd_g_abs"] = g.abs().mean()
+            if cfg.regression_weight > 0:
+                reg = regression(
+                    student, s_params, batch, cfg.regression_keys, cond, t_scale=cfg.t_scale
+                )
+                losses["student"] = losses["student"] + cfg.regression_weight * reg
+                s_metrics["regression"] = reg.detach()
         if critic_live:
             x0_d = x0_s.detach()
             t_c = cfg.critic_timesteps.sample(
@@ -359,104 +394,153 @@ def loss_fn(
             eps_c = flow.noise_like(flow.purpose_key(key, Purpose.CRITIC_NOISE), x_like, idx)
             x_t_c = flow.interpolate(x0_d, eps_c, t_c)
             v_c = flow.predict_velocity(
-                critic, params.get("critic"), x_t_c, t_c, cond, t_scale=cfg.t_scale
+                critic_model, params.get("critic"), x_t_c, t_c, cond, t_scale=cfg.t_scale
             )
             losses["critic"] = flow.mse(v_c, flow.velocity_target(x0_d, eps_c))
+        if cfg.gan is not None and gan_head is not None:
+            g_losses, g_metrics = gan_losses(
+                cfg.gan,
+                critic_model,
+                gan_head,
+                params,
+                x0_s,
+                x_like,
+                cond,
+                key,
+                idx,
+                student_live=student_live,
+                critic_live=critic_live,
+                t_scale=cfg.t_scale,
+            )
+            for role, value in g_losses.items():
+                losses[role] = losses[role] + value if role in losses else value
+            for role, ms in g_metrics.items():
+                metrics.setdefault(role, {}).update(ms)
         return losses, metrics
 
     return loss
 
 
 def make_step(
-    student_model: nn.Module,
-    teacher_model: nn.Module,
-    critic_model: nn.Module | None,
-    optimizers: Mapping[str, Transform],
-    config: DMD2Config | None = None,
     *,
-    teacher_params: TensorDictBase | None = None,
+    student: nn.Module,
+    teacher: nn.Module,
+    teacher_params: TensorDictBase,
+    optimizers: Mapping[str, Transform],
+    critic: nn.Module | None = None,
+    gan_head: nn.Module | None = None,
+    config: DMD2Config | None = None,
     accumulate: int = 1,
     donate: bool = False,
     ema: float | None = None,
+    ema_start_step: int = 0,
+    ema_on_update: bool | None = None,
     skip_nonfinite: bool = False,
 ) -> TrainStep | EMAStep:
     """The DMD2 step: the critic updates every step, the student every ``generator_update_interval``.
 
+    Every argument is keyword-only (no positional ``None`` for a role).
+
+    Cadence: the student's optimizer ``count`` advances once per *student
+    update*, so a learning-rate schedule of the student counts its updates,
+    not the method's steps: with ``generator_update_interval=3``,
+    ``cosine_decay(lr, 1500)`` ends after 1500 student updates (4500 steps).
+    Size it in method steps with ``optim.schedules.in_steps(cosine_decay(lr,
+    4500), every=3)``. The student's EMA (``ema``) moves on the student's
+    updates only (``ema_on_update``, default), so ``ema`` is a decay per
+    student update.
+
     Args:
-        student_model: the few-step generator's module.
-        teacher_model: the frozen teacher's module.
-        critic_model: the critic's module (``None``: the teacher's module, called
+        student: the few-step generator's module.
+        teacher: the frozen teacher's module.
+        teacher_params: the frozen teacher's params (and buffers), required:
+            ``purestep.variables(teacher_state, "student", ema=True)`` after
+            training it with :mod:`~purestep.methods.finetune`, or
+            ``purestep.export.module_variables(teacher)`` for a module loaded
+            with pretrained weights. (The module's own weights are never
+            used: after training they are still the initial ones.)
+        optimizers: ``{"student": Transform, "critic": Transform}`` (and
+            ``"gan_head"`` with ``config.gan``).
+        critic: the critic's module (``None``: the teacher's module, called
             with the critic's params).
-        optimizers: ``{"student": Transform, "critic": Transform}``.
+        gan_head: the GAN head's module (with ``config.gan``): critic features
+            ``-> [B]`` logits.
         config: hyperparameters (default :class:`DMD2Config`).
-        teacher_params: the teacher's params (default: a copy of ``teacher_model``'s).
         accumulate: number of microbatches per step (same result for any value).
         donate: reuse the input state's buffers.
         ema: keep an EMA of the student's params with this decay in ``state["ema"]``.
+        ema_start_step: the EMA starts averaging at this method step (a copy
+            of the params before it).
+        ema_on_update: average on student updates only (``None``: yes when
+            ``generator_update_interval > 1``); ``False``: after every step.
         skip_nonfinite: skip steps with a non-finite loss or gradient.
 
     Example:
+        >>> from tensordict import TensorDict
         >>> from purestep import optim
         >>> lin = nn.Linear(2, 2)
         >>> opts = {"student": optim.sgd(lr=0.1), "critic": optim.sgd(lr=0.1)}
-        >>> make_step(lin, lin, None, opts, DMD2Config(generator_update_interval=3)).every
+        >>> make_step(student=lin, teacher=lin, teacher_params=TensorDict.from_module(lin),
+        ...           optimizers=opts, config=DMD2Config(generator_update_interval=3)).every
         {'student': 3}
     """
     cfg = config or DMD2Config()
-    if set(optimizers) != set(_ROLES):
+    if set(optimizers) != set(cfg.roles):
         raise KeyError(
-            f"dmd2.make_step: optimizers must have exactly the roles {list(_ROLES)}, "
+            f"dmd2.make_step: optimizers must have exactly the roles {list(cfg.roles)}, "
             f"got {sorted(optimizers)}"
         )
     return build_step(
-        loss_fn(student_model, teacher_model, critic_model, cfg, teacher_params=teacher_params),
+        loss_fn(
+            student=student,
+            teacher=teacher,
+            teacher_params=teacher_params,
+            critic=critic,
+            gan_head=gan_head,
+            config=cfg,
+        ),
         optimizers,
         accumulate=accumulate,
         donate=donate,
         every={"student": cfg.generator_update_interval},
         ema=ema,
         ema_roles=("student",),
+        ema_start_step=ema_start_step,
+        ema_on_update=ema_on_update,
         skip_nonfinite=skip_nonfinite,
     )
 
 
 def init_state(
-    student: nn.Module | TensorDictBase,
-    teacher: nn.Module | TensorDictBase,
-    optimizers: Mapping[str, Transform],
     *,
+    student: nn.Module | TensorDictBase,
+    critic: nn.Module | TensorDictBase,
+    optimizers: Mapping[str, Transform],
     seed: int,
-    critic: nn.Module | TensorDictBase | None = None,
+    gan_head: nn.Module | TensorDictBase | None = None,
 ) -> TensorDict:
-    """The DMD2 state: ``student`` params, ``critic`` params (a copy of the teacher's by default).
+    """The DMD2 state: ``student`` and ``critic`` (and ``gan_head``) params, optimizer states, key.
 
-    The student's (and an explicit critic's) trainable params are copied from a
-    module (``requires_grad=True`` ones) or a TensorDict. Without ``critic`` the
-    critic starts as a copy of *all* the teacher's params (a frozen teacher
-    works). The teacher itself is not state. To start the student from the
-    teacher too, pass the teacher (or a copy of its params) as ``student``.
+    Each role is copied from a module (its trainable params, and its
+    persistent buffers into ``state["buffers", role]``) or from a TensorDict of
+    trainable params. Both are explicit: to start the student and the critic
+    from a trained teacher, load its weights into the module first
+    (``purestep.export.load_params(teacher, teacher_vars)``) and pass it as
+    both. The teacher itself is not state.
 
     Example:
         >>> from purestep import optim
         >>> lin = nn.Linear(2, 2)
         >>> opts = {"student": optim.sgd(lr=0.1), "critic": optim.sgd(lr=0.1)}
-        >>> s = init_state(lin, lin, opts, seed=0)
+        >>> s = init_state(student=lin, critic=lin, optimizers=opts, seed=0)
         >>> torch.equal(s["params", "critic", "weight"], lin.weight.detach())
         True
     """
-
-    def copy(role: str, src: nn.Module | TensorDictBase, *, all_params: bool) -> TensorDictBase:
-        if isinstance(src, nn.Module):
-            return flow.frozen_params(src) if all_params else _state.params_of(role, src)
-        return tree.clone(src.detach())
-
-    critic_params = (
-        copy("critic", teacher, all_params=True)
-        if critic is None
-        else copy("critic", critic, all_params=False)
-    )
-    return _state.init_state(
-        {"student": copy("student", student, all_params=False), "critic": critic_params},
-        optimizers,
-        seed=seed,
-    )
+    sources: dict[str, nn.Module | TensorDictBase] = {"student": student, "critic": critic}
+    if gan_head is not None:
+        sources["gan_head"] = gan_head
+    params = {
+        role: tree.clone(src.detach()) if isinstance(src, TensorDictBase) else src
+        for role, src in sources.items()
+    }
+    return _state.init_state(params, optimizers, seed=seed)

@@ -38,6 +38,7 @@ from torch import nn
 
 from purestep import state as _state
 from purestep import tree
+from purestep.methods import _validators as _v
 from purestep.methods import flow
 from purestep.methods._common import build_step
 from purestep.methods.flow import Purpose, TimestepDist
@@ -45,31 +46,6 @@ from purestep.optim import Transform
 from purestep.step import EMAStep, LossFn, TrainStep
 
 __all__ = ["FinetuneConfig", "build_step", "init_state", "loss_fn", "make_step"]
-
-
-def _prob(_: object, attribute: attrs.Attribute[float], value: float) -> None:
-    if not (isinstance(value, int | float) and 0.0 <= value <= 1.0):
-        raise ValueError(f"FinetuneConfig.{attribute.name} must be in [0, 1], got {value!r}")
-
-
-def _positive(_: object, attribute: attrs.Attribute[float], value: float) -> None:
-    if not (isinstance(value, int | float) and value > 0):
-        raise ValueError(f"FinetuneConfig.{attribute.name} must be > 0, got {value!r}")
-
-
-def _name(_: object, attribute: attrs.Attribute[str], value: str) -> None:
-    if not (isinstance(value, str) and value):
-        raise ValueError(f"FinetuneConfig.{attribute.name} must be a non-empty str, got {value!r}")
-
-
-def _keys(_: object, attribute: attrs.Attribute[tuple[str, ...]], value: tuple[str, ...]) -> None:
-    for k in value:
-        if not (isinstance(k, str) and k):
-            raise ValueError(
-                f"FinetuneConfig.{attribute.name} must hold non-empty str keys, got {value!r}"
-            )
-        if k in ("index",):
-            raise ValueError(f"FinetuneConfig.{attribute.name}: {k!r} is reserved for sample ids")
 
 
 @attrs.frozen(kw_only=True)
@@ -100,12 +76,12 @@ class FinetuneConfig:
     timesteps: TimestepDist = attrs.field(
         factory=TimestepDist, validator=attrs.validators.instance_of(TimestepDist)
     )
-    x0_key: str = attrs.field(default="x0", validator=_name)
-    cond_keys: tuple[str, ...] = attrs.field(default=(), converter=tuple, validator=_keys)
-    cond_dropout: float = attrs.field(default=0.0, validator=_prob)
+    x0_key: str = attrs.field(default="x0", validator=_v.name)
+    cond_keys: tuple[str, ...] = attrs.field(default=(), converter=tuple, validator=_v.keys)
+    cond_dropout: float = attrs.field(default=0.0, validator=_v.unit)
     null_cond: Mapping[str, Any] | None = attrs.field(default=None)
-    t_scale: float = attrs.field(default=1.0, validator=_positive)
-    role: str = attrs.field(default="student", validator=_name)
+    t_scale: float = attrs.field(default=1.0, validator=_v.positive)
+    role: str = attrs.field(default="student", validator=_v.name)
 
     def __attrs_post_init__(self) -> None:
         if self.cond_dropout > 0:
@@ -124,7 +100,7 @@ def loss_fn(model: nn.Module, config: FinetuneConfig | None = None) -> LossFn:
 
     ``params[config.role]`` are the model's params; ``batch[config.x0_key]`` the
     clean data. Metrics: ``loss`` (added by :func:`purestep.value_and_grad`) and
-    ``t_mean``.
+    ``(role, "t_mean")``.
 
     Example:
         >>> import torch
@@ -146,7 +122,7 @@ def loss_fn(model: nn.Module, config: FinetuneConfig | None = None) -> LossFn:
 
     def loss(
         params: TensorDictBase, batch: TensorDictBase, key: torch.Tensor
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    ) -> tuple[torch.Tensor, dict[str, Any]]:
         if cfg.x0_key not in batch.keys():
             raise KeyError(f"finetune: batch has no {cfg.x0_key!r} (keys: {sorted(batch.keys())})")
         x0 = batch.get(cfg.x0_key)
@@ -172,7 +148,7 @@ def loss_fn(model: nn.Module, config: FinetuneConfig | None = None) -> LossFn:
             value = flow.mse(flow.x0_from_velocity(x_t, t, v), x0)
         else:
             value = flow.mse(v, flow.velocity_target(x0, eps))
-        return value, {"t_mean": t.detach().mean()}
+        return value, {cfg.role: {"t_mean": t.detach().mean()}}
 
     return loss
 
@@ -185,6 +161,7 @@ def make_step(
     accumulate: int = 1,
     donate: bool = False,
     ema: float | None = None,
+    ema_start_step: int = 0,
     skip_nonfinite: bool = False,
 ) -> TrainStep | EMAStep:
     """The fine-tuning step ``step(state, batch) -> (state, metrics)``.
@@ -196,6 +173,7 @@ def make_step(
         accumulate: number of microbatches per step (same result for any value).
         donate: reuse the input state's buffers (the input state is then invalid).
         ema: keep an EMA of the role's params with this decay in ``state["ema"]``.
+        ema_start_step: the EMA starts averaging at this step (a copy of the params before).
         skip_nonfinite: skip steps with a non-finite loss or gradient.
 
     Example:
@@ -210,6 +188,7 @@ def make_step(
         accumulate=accumulate,
         donate=donate,
         ema=ema,
+        ema_start_step=ema_start_step,
         skip_nonfinite=skip_nonfinite,
     )
 

@@ -35,6 +35,7 @@ from purestep.optim._base import Schedule
 __all__ = [
     "constant",
     "cosine_decay",
+    "in_steps",
     "join",
     "linear",
     "piecewise_constant",
@@ -402,3 +403,39 @@ def piecewise_constant(
         if b0 == b1:
             raise ValueError(f"piecewise_constant: boundary {b0} appears twice")
     return _PiecewiseConstant(init, tuple(pairs))
+
+
+@attrs.frozen(repr=False)
+class _InSteps:
+    schedule: Any
+    every: int
+
+    def __call__(self, count: int | torch.Tensor) -> float:
+        return float(self.schedule(_count(count) * self.every))
+
+    def __repr__(self) -> str:
+        return f"in_steps({self.schedule!r}, every={self.every})"
+
+
+def in_steps(schedule: Schedule | Any, *, every: int) -> Schedule:
+    """``schedule`` sized in the *method's* steps, for a role that updates every ``every`` steps.
+
+    An optimizer's count advances once per update of its role, so with
+    ``train_step(every={"student": 3})`` the student's schedule sees counts
+    0, 1, 2, ... at method steps 0, 3, 6, ...: ``cosine_decay(lr, 1500)`` would
+    end after 1500 *updates* (4500 steps). ``in_steps(s, every=3)`` evaluates
+    ``s(3 * count)``, the schedule's value at the method step of that update,
+    so ``in_steps(cosine_decay(lr, 4500), every=3)`` ends at step 4500.
+
+    Example:
+        >>> s = in_steps(linear(1.0, 0.0, 6), every=3)  # the role updates at steps 0, 3, 6
+        >>> [s(n) for n in range(3)]
+        [1.0, 0.5, 0.0]
+        >>> s
+        in_steps(linear(start=1.0, end=0.0, steps=6), every=3)
+    """
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise ValueError(f"in_steps: every must be an int >= 1, got {every!r}")
+    if not callable(schedule):
+        raise TypeError(f"in_steps: schedule must be a callable count -> value, got {schedule!r}")
+    return _InSteps(schedule, every)

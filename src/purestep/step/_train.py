@@ -355,7 +355,10 @@ def train_step(
        step) and calls ``grad_fn(params, batch, key, roles=due)`` (a loss can ask
        :func:`purestep.live_roles` and skip the others' work);
     4. applies each due role's optimizer: its own ``count``, and so its schedule,
-       advances only when it updates;
+       advances only when it updates. A schedule therefore counts the role's
+       own updates, not the method's steps: with ``every={"student": 3}``,
+       ``cosine_decay(lr, 1500)`` ends after 1500 student updates (step 4500);
+       :func:`purestep.optim.schedules.in_steps` sizes it in method steps;
     5. increments ``step``; metrics gain ``(role, "lr")`` and ``(role, "grad_norm")``
        (global L2 norm before any clipping) for each updated role.
 
@@ -371,8 +374,8 @@ def train_step(
         donate: reuse the input state's buffers (fused in-place kernels); the input
             state is then invalid. ``False`` never mutates an input. Equal results.
         grad_norm: log ``(role, "grad_norm")``. It costs one read of all grads
-            (about 4 ms per 25M fp32 params on one CPU core); turn it off when
-            the step must match a bare imperative loop.
+            (``benchmarks/step.py`` measures it); turn it off when the step
+            must match a bare imperative loop.
 
     Example:
         >>> import torch

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import attrs
 import torch
@@ -29,6 +29,13 @@ class EMAStep:
     roles: tuple[str, ...]
     start_step: int = 0
     buffers: bool = False
+    on_update: bool | None = None
+
+    def _follows(self, role: str) -> int:
+        """``N`` when ``role``'s EMA moves only on its own updates (every ``N`` steps), else 1."""
+        every = _every_of(self.inner).get(role, 1)
+        on_update = self.on_update if self.on_update is not None else every > 1
+        return every if on_update else 1
 
     @property
     def donate(self) -> bool:
@@ -66,6 +73,8 @@ class EMAStep:
             return new_state, metrics
         copy = step < self.start_step
         for role in self.roles:
+            if step % self._follows(role):
+                continue  # the role did not update at this step: nor does its EMA
             self._average(new_state, ("params", role), ("ema", role), copy)
             if self.buffers:
                 self._average(new_state, ("buffers", role), ("ema_buffers", role), copy)
@@ -103,6 +112,18 @@ class EMAStep:
         state.set(dst, tree.rebuild(ema_td, new))
 
 
+def _every_of(step: object) -> Mapping[str, int]:
+    """The ``every`` of the :class:`TrainStep` inside ``step`` (through wrappers' ``inner``)."""
+    for _ in range(64):
+        every = getattr(step, "every", None)
+        if isinstance(every, Mapping):
+            return every
+        step = getattr(step, "inner", None)
+        if step is None:
+            break
+    return {}
+
+
 def with_ema(
     step: TrainStep | EMAStep,
     decay: float,
@@ -110,6 +131,7 @@ def with_ema(
     *,
     start_step: int = 0,
     buffers: bool = False,
+    on_update: bool | None = None,
 ) -> EMAStep:
     """Keep an exponential moving average of ``roles``' params in ``state["ema", role]``.
 
@@ -126,6 +148,15 @@ def with_ema(
     ``num_batches_tracked`` are copied), so ``purestep.variables(state, role,
     ema=True)`` evaluates the EMA model with EMA statistics. Without it the EMA
     params are used with the live buffers.
+
+    Cadence. With ``on_update=True`` a role's EMA moves only at the steps where
+    the role itself updates (``train_step(every={role: N})``: steps that are
+    multiples of N), so ``decay`` is per update of the role. That is the
+    default (``on_update=None``) for roles with ``every > 1``: averaging on the
+    other steps too would lerp towards unchanged params N times, an effective
+    decay of ``decay ** N`` per update. ``on_update=False`` averages after
+    every step. ``start_step`` counts the method's steps (``state["step"]``)
+    in either case.
 
     Example:
         >>> import torch
@@ -151,7 +182,12 @@ def with_ema(
             f"{type(step).__name__}"
         )
     return EMAStep(
-        inner=step, decay=float(decay), roles=tuple(roles), start_step=start_step, buffers=buffers
+        inner=step,
+        decay=float(decay),
+        roles=tuple(roles),
+        start_step=start_step,
+        buffers=buffers,
+        on_update=on_update,
     )
 
 
