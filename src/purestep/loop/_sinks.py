@@ -24,6 +24,7 @@ from typing import Any, Protocol, TextIO
 
 import torch
 
+from purestep._atomic import write_text
 from purestep._images import image_grid
 
 __all__ = [
@@ -40,15 +41,6 @@ class Sink(Protocol):
     """``sink(step, metrics)``; may also have ``start(step)`` and ``close()`` (see module doc)."""
 
     def __call__(self, step: int, metrics: Mapping[str, float]) -> None: ...
-
-
-def _replace_atomically(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w", newline="") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
 
 
 def _json_value(v: float) -> float | str:
@@ -121,9 +113,7 @@ class JSONLSink:
         if self.path.exists():
             with open(self.path) as fh:
                 kept = [line for line in fh if (r := _parse_line(line)) and r["step"] <= step]
-            _replace_atomically(
-                self.path, "".join(ln if ln.endswith("\n") else ln + "\n" for ln in kept)
-            )
+            write_text(self.path, "".join(ln if ln.endswith("\n") else ln + "\n" for ln in kept))
 
     def __call__(self, step: int, metrics: Mapping[str, float]) -> None:
         if self._fh is None:
@@ -177,7 +167,7 @@ class CSVSink:
         lines = [",".join(columns)]
         for r in rows:
             lines.append(",".join(_csv_cell(r.get(c) or "") for c in columns))
-        _replace_atomically(self.path, "\n".join(lines) + "\n")
+        write_text(self.path, "\n".join(lines) + "\n")
         self._columns = columns
 
     def start(self, step: int) -> None:

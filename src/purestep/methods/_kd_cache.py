@@ -18,6 +18,7 @@ from tensordict import TensorDict, TensorDictBase
 from torch import nn
 
 from purestep import rng, tree
+from purestep._atomic import torch_save, write_text
 from purestep.methods import flow
 from purestep.methods.flow import Purpose
 
@@ -62,12 +63,6 @@ def _chunk_path(cache: Path, c: int) -> Path:
     return cache / f"chunk_{c:06d}.pt"
 
 
-def _atomic_save(obj: Any, path: Path) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
-
-
 def _check_meta(cache: Path, meta: dict[str, Any]) -> None:
     path = cache / _META
     if path.exists():
@@ -82,9 +77,7 @@ def _check_meta(cache: Path, meta: dict[str, Any]) -> None:
                 "use another cache_dir or delete this one"
             )
     else:
-        tmp = path.with_name(_META + ".tmp")
-        tmp.write_text(json.dumps(meta, indent=1, sort_keys=True))
-        os.replace(tmp, path)
+        write_text(path, json.dumps(meta, indent=1, sort_keys=True))
 
 
 def generate_trajectories(
@@ -225,7 +218,7 @@ def generate_trajectories(
             "sample": idx.cpu(),
             "cond": {k: v.cpu() for k, v in c_cond.items()},
         }
-        _atomic_save(record, path)
+        torch_save(record, path)
         made += 1
         if progress is not None:
             progress(c + 1, n_chunks)

@@ -13,7 +13,7 @@ from purestep.step._batch import batch_size, with_index
 from purestep.step._bound import is_bound
 from purestep.step._context import Microbatch, microbatch_scope
 from purestep.step._grad import GradFn
-from purestep.step._sink import GradSink, sink_scope
+from purestep.step._sink import MicrobatchGrads, sink_scope
 
 KeyPath = tuple[str, ...]
 
@@ -53,7 +53,7 @@ def _add_into(acc: dict[KeyPath, torch.Tensor], g: TensorDictBase, w: float) -> 
             tree.local(have).add_(tree.local(leaf), alpha=w)
 
 
-def _owned(sink: GradSink, role: str, g: TensorDictBase) -> bool:
+def _owned(sink: MicrobatchGrads, role: str, g: TensorDictBase) -> bool:
     """Whether ``g`` is exactly the sink's accumulated ``.grad`` tensors for ``role``."""
     if role not in sink.tracked:
         return False
@@ -122,7 +122,7 @@ def accumulate(grad_fn: GradFn, k: int) -> GradFn:
         listed: dict[str, dict[KeyPath, torch.Tensor]] = {}  # roles summed here, by path
         from_sink: list[str] = []  # roles summed in .grad by value_and_grad
         harvested: dict[str, TensorDictBase] = {}  # bound roles: the sum, at the last microbatch
-        sink = GradSink()
+        sink = MicrobatchGrads()
         start = 0
         for i, n in enumerate(sizes):
             mb = batch[start : start + n]

@@ -33,7 +33,7 @@ from purestep import tree
 from purestep.step._bound import bound_grads, is_bound
 from purestep.step._call import call_scope
 from purestep.step._context import live_scope
-from purestep.step._sink import GradSink, take_sink
+from purestep.step._sink import MicrobatchGrads, take_sink
 
 __all__ = ["GradFn", "LossFn", "value_and_grad"]
 
@@ -361,7 +361,7 @@ def value_and_grad(loss_fn: LossFn) -> GradFn:
         unknown = [r for r in live if r not in all_roles]
         if unknown:
             raise KeyError(f"roles {unknown} have no params (roles with params: {all_roles})")
-        sink: GradSink | None = take_sink()  # before loss_fn: nested grad_fns do not take it
+        sink: MicrobatchGrads | None = take_sink()  # before loss_fn: nested grad_fns do not take it
         weight = sink.weight if sink is not None else 1.0
         leaves: dict[str, list[torch.Tensor]] = {}
         bound: dict[str, bool] = {}

@@ -1,8 +1,8 @@
 """Microbatch gradients accumulate the way the imperative loop accumulates them: in ``.grad``.
 
 :func:`purestep.accumulate` computes ``acc = sum_i w_i * g_i`` over microbatches.
-With a :class:`GradSink` in scope, :func:`purestep.value_and_grad` makes its
-requires-grad leaves once per ``accumulate`` call (:meth:`GradSink.leaves_for`)
+With a :class:`MicrobatchGrads` in scope, :func:`purestep.value_and_grad` makes its
+requires-grad leaves once per ``accumulate`` call (:meth:`MicrobatchGrads.leaves_for`)
 and reuses them on every microbatch, running ``torch.autograd.backward(w * loss,
 inputs=leaves)``: the first gradient that reaches a leaf becomes its ``.grad``
 (with the parameter's memory layout), later ones are added into it by
@@ -25,11 +25,11 @@ from typing import Any
 import attrs
 import torch
 
-__all__ = ["GradSink", "sink_scope", "take_sink"]
+__all__ = ["MicrobatchGrads", "sink_scope", "take_sink"]
 
 
 @attrs.define
-class GradSink:
+class MicrobatchGrads:
     """Requires-grad leaves shared by the microbatches of one ``accumulate`` call.
 
     Attributes:
@@ -43,7 +43,7 @@ class GradSink:
             (``None``: all of them), for ``value_and_grad``'s purity checks.
 
     Example:
-        >>> GradSink().weight
+        >>> MicrobatchGrads().weight
         1.0
     """
 
@@ -83,15 +83,15 @@ class GradSink:
         return [t.grad for t in self.tracked[role][2]]
 
 
-_SINK: ContextVar[GradSink | None] = ContextVar("purestep_grad_sink", default=None)
+_SINK: ContextVar[MicrobatchGrads | None] = ContextVar("purestep_grad_sink", default=None)
 
 
 @contextlib.contextmanager
-def sink_scope(sink: GradSink, weight: float) -> Iterator[None]:
+def sink_scope(sink: MicrobatchGrads, weight: float) -> Iterator[None]:
     """Make ``sink`` available to the next ``grad_fn`` call, for a microbatch of ``weight``.
 
     Example:
-        >>> s = GradSink()
+        >>> s = MicrobatchGrads()
         >>> with sink_scope(s, 0.5):
         ...     take_sink() is s, take_sink()
         (True, None)
@@ -106,7 +106,7 @@ def sink_scope(sink: GradSink, weight: float) -> Iterator[None]:
         _SINK.reset(token)
 
 
-def take_sink() -> GradSink | None:
+def take_sink() -> MicrobatchGrads | None:
     """The sink in scope if no ``grad_fn`` call has taken it in this microbatch (then taken).
 
     Example:

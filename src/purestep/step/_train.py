@@ -409,8 +409,3 @@ def train_step(
         donate=donate,
         grad_norm=grad_norm,
     )
-
-
-def is_train_step(obj: Any) -> bool:
-    """True for steps built by :func:`train_step`."""
-    return isinstance(obj, TrainStep)
