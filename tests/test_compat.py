@@ -310,7 +310,7 @@ FORCED_FILES = [
     "tests/test_checkpoint.py",
     "tests/test_storage.py",
 ]
-FORCED_SELECTION = "matches or round_trip or forced_mode"
+FORCED_SELECTION = "matches or match_torch or equals_the_imperative or round_trip or forced_mode"
 
 
 @pytest.mark.skipif(_compat.FORCE_PUBLIC, reason="already running with the fallbacks forced")
