@@ -20,7 +20,7 @@ Example:
     >>> import torch
     >>> from purestep import _compat
     >>> x = [torch.ones(2)]
-    >>> _compat.foreach_add_(x, [torch.ones(2)], alpha=2.0)
+    >>> _ = _compat.foreach_add_(x, [torch.ones(2)], alpha=2.0)
     >>> x[0]
     tensor([3., 3.])
 """
