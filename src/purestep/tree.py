@@ -30,6 +30,8 @@ from typing import Any, cast
 import torch
 from tensordict import TensorDict, TensorDictBase
 
+from purestep import _compat
+
 __all__ = [
     "KeyPath",
     "assert_same_structure",
@@ -90,7 +92,7 @@ def _collect_items(
 
 def _flatten(td: TensorDictBase) -> tuple[list[KeyPath], list[torch.Tensor]] | None:
     """``(paths, leaves)`` by the fast walk, or None when ``td`` needs the generic API."""
-    if type(td) is not TensorDict:
+    if type(td) is not _compat.PLAIN_TD:
         return None
     keys: list[KeyPath] = []
     vals: list[torch.Tensor] = []
@@ -138,7 +140,7 @@ def leaves(td: TensorDictBase) -> list[torch.Tensor]:
         >>> leaves(TensorDict({"a": torch.ones(1), "b": torch.zeros(2)}, []))[1]
         tensor([0., 0.])
     """
-    if type(td) is TensorDict:
+    if type(td) is _compat.PLAIN_TD:
         out: list[torch.Tensor] = []
         if _collect_leaves(td, out):
             return out
@@ -153,7 +155,7 @@ def first_leaf(td: TensorDictBase) -> torch.Tensor | None:
         >>> first_leaf(TensorDict({"a": {"b": torch.ones(1)}, "c": torch.zeros(1)}, []))
         tensor([1.])
     """
-    if type(td) is TensorDict:
+    if type(td) is _compat.PLAIN_TD:
         ok, found = _first_plain(td)
         if ok:
             return found
@@ -206,7 +208,7 @@ def rebuild(like: TensorDictBase, new_leaves: Iterable[torch.Tensor]) -> TensorD
                 f"rebuild: fewer leaves ({len(new)}) than the template tree has"
             ) from None
 
-    out = _map_plain(like, take, []) if type(like) is TensorDict else None
+    out = _map_plain(like, take, []) if type(like) is _compat.PLAIN_TD else None
     if out is None:  # generic TensorDict API (any node type, batch dims, devices)
         it = iter(new)
         out = like.apply(take)
@@ -234,7 +236,7 @@ def plain_td(items: dict[str, Any], batch_size: torch.Size = _NO_DIMS) -> Tensor
         >>> plain_td({"w": torch.ones(2)})["w"]
         tensor([1., 1.])
     """
-    td: TensorDict = TensorDict._new_unsafe(items, batch_size=batch_size, nested=False)  # type: ignore[arg-type]
+    td: TensorDict = _compat.new_td(items, batch_size=batch_size, nested=False)
     return td
 
 
@@ -250,7 +252,7 @@ def map_with_leaves(
         (True, tensor([0., 0.]))
     """
     out: list[torch.Tensor] = []
-    built = _map_plain(td, fn, out) if type(td) is TensorDict else None
+    built = _map_plain(td, fn, out) if type(td) is _compat.PLAIN_TD else None
     if built is None:
         out = [fn(t) for t in leaves(td)]
         built = rebuild(td, out)
@@ -301,7 +303,7 @@ def merge(
     """
 
     def node(td: TensorDictBase) -> dict[str, Any]:
-        return dict(td._tensordict) if type(td) is TensorDict else dict(td.items())
+        return dict(td._tensordict) if type(td) is _compat.PLAIN_TD else dict(td.items())
 
     def rec(x: TensorDictBase, y: TensorDictBase, prefix: KeyPath) -> TensorDict:
         out = node(x)
@@ -400,7 +402,7 @@ def copy_(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
     """
     if not dst:
         return
-    torch._foreach_copy_([local(t) for t in dst], [local(t) for t in src])
+    _compat.foreach_copy_([local(t) for t in dst], [local(t) for t in src])
 
 
 def group_by_device_dtype(
@@ -495,7 +497,7 @@ def _global_norm(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     if all(type(t) is torch.Tensor for t in tensors) and torch.float64 not in {
         t.dtype for t in tensors
     }:  # the common case: plain tensors, one foreach and one reduction
-        each = torch._foreach_norm(tensors, 2, dtype=torch.float32)  # type: ignore[arg-type]
+        each = _compat.foreach_norm(tensors, 2, dtype=torch.float32)
         with contextlib.suppress(RuntimeError):  # leaves on several devices: general path
             total: torch.Tensor = torch.linalg.vector_norm(torch.stack(each))
             return total
@@ -525,8 +527,8 @@ def _global_norm(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
 def _foreach_norm32(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """Per-tensor L2 norms as float32, accumulated in at least float32 (float64 stays float64)."""
     if tensors[0].dtype == torch.float64:
-        return [n.to(torch.float32) for n in torch._foreach_norm(tensors, 2)]
-    return list(torch._foreach_norm(tensors, 2, dtype=torch.float32))
+        return [n.to(torch.float32) for n in _compat.foreach_norm(tensors, 2)]
+    return list(_compat.foreach_norm(tensors, 2, dtype=torch.float32))
 
 
 def _reduce_sq_norm(
@@ -562,8 +564,8 @@ def assert_same_structure(
         >>> assert_same_structure(a, a.clone())
     """
     if (
-        type(expected) is TensorDict
-        and type(actual) is TensorDict
+        type(expected) is _compat.PLAIN_TD
+        and type(actual) is _compat.PLAIN_TD
         and _same_structure(expected, actual, check_shapes)
     ):
         return

@@ -49,16 +49,12 @@ from typing import Any, cast
 
 import torch
 import xxhash
-from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.filesystem import (
     DEFAULT_SUFFIX,
     FileSystemReader,
     FileSystemWriter,
-    _OverlappingCpuLoader,
-    _SerialCpuLoader,
     _StorageInfo,
     _StoragePrefix,
-    _TensorLoader,
 )
 from torch.distributed.checkpoint.metadata import (
     Metadata,
@@ -78,6 +74,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from purestep import _compat
 from purestep.distributed._ckpt_errors import CheckpointCorruptError, CheckpointReadError
 from purestep.distributed._ckpt_integrity import (
     ALGORITHM,
@@ -117,10 +114,12 @@ def record_layout(dtype: torch.dtype) -> str:
         >>> record_layout(torch.float32), record_layout(torch.uint16)
         ('torch-legacy-contiguous', 'torch-zip')
     """
+    if not _compat.NON_ZIP_RECORDS:
+        return LAYOUT_ZIP
     buf = io.BytesIO()
     try:
         probe = torch.zeros(8, dtype=torch.uint8).view(dtype)
-        torch.save(probe, buf, _use_new_zipfile_serialization=False)
+        _compat.save_record(probe, buf, False)
         buf.seek(0)
         back = torch.load(buf, weights_only=True)
     except Exception:
@@ -153,7 +152,7 @@ def write_record(tensor: torch.Tensor, stream: Any) -> int:
         tensor = tensor.clone(memory_format=torch.contiguous_format)
     start = int(stream.tell())
     zip_ = record_layout(tensor.dtype) == LAYOUT_ZIP
-    torch.save(tensor, stream, _use_new_zipfile_serialization=zip_)
+    _compat.save_record(tensor, stream, zip_)
     return int(stream.tell()) - start
 
 
@@ -204,7 +203,7 @@ class RecordWriter(FileSystemWriter):
         name = f"{prefix.prefix}0{DEFAULT_SUFFIX}"
         written: list[tuple[WriteItem, int, int, str, str]] = []
         tensor_items = [wi for wi in plan.items if wi.type != WriteItemType.BYTE_IO]
-        loader = _cpu_loader(planner, self.per_thread_copy_ahead)
+        loader = _compat.cpu_loader(planner.resolve_data, self.per_thread_copy_ahead)
         for wi in tensor_items:
             loader.add(_nbytes(wi), wi)
         loader.start_loading()
@@ -282,12 +281,6 @@ class RecordWriter(FileSystemWriter):
         files[DCP_METADATA] = {"size": len(data), "checksum": xxhash.xxh3_64_hexdigest(data)}
         recs.sort(key=lambda r: (r["file"], r["offset"]))
         self.integrity = {"algorithm": ALGORITHM, "files": files, "records": recs}
-
-
-def _cpu_loader(planner: SavePlanner, copy_ahead: int) -> _TensorLoader:
-    if torch.cuda.is_available() and copy_ahead > 0:
-        return _OverlappingCpuLoader(planner.resolve_data, inflight_threshhold=copy_ahead)
-    return _SerialCpuLoader(planner.resolve_data)
 
 
 def _numel(sizes: Sequence[int]) -> int:
@@ -495,7 +488,7 @@ class RecordReader(FileSystemReader):
                     f"{rec.where(self.checkpoint)} cannot be read back: {e}", rec
                 ) from e
         if loaded is not dst:
-            src = narrow_tensor_by_index(loaded, ri.storage_offsets, ri.lengths)
+            src = _compat.narrow_tensor_by_index(loaded, ri.storage_offsets, ri.lengths)
             if dst.size() != src.size():
                 raise self._corrupt(
                     f"{rec.where(self.checkpoint)} holds shape {tuple(src.size())}, "
@@ -553,7 +546,7 @@ class RecordReader(FileSystemReader):
                         continue
                     dst = planner.resolve_tensor(ri).detach()
                     loaded = torch.load(raw, map_location="cpu", weights_only=True)
-                    src = narrow_tensor_by_index(loaded, ri.storage_offsets, ri.lengths)
+                    src = _compat.narrow_tensor_by_index(loaded, ri.storage_offsets, ri.lengths)
                     if dst.size() != src.size():
                         raise ValueError(
                             f"{ri.storage_index.fqn}: stored chunk has shape "

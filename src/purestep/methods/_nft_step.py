@@ -10,7 +10,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 from torch import nn
 
-from purestep import rng, tree
+from purestep import _compat, rng, tree
 from purestep.methods import flow
 from purestep.methods._nft_advantages import advantages
 from purestep.methods._nft_objective import NFTConfig, loss_fn
@@ -76,10 +76,10 @@ def old_update(state: TensorDictBase, decay: float, *, donate: bool = False) -> 
     tree.assert_same_structure(student_td, old_td, what="params['old']", like="params['student']")
     old, new = tree.leaves(old_td), tree.leaves(student_td)
     if donate:
-        torch._foreach_lerp_([tree.local(o) for o in old], [tree.local(s) for s in new], 1.0 - d)
+        _compat.foreach_lerp_([tree.local(o) for o in old], [tree.local(s) for s in new], 1.0 - d)
         return state
     out = state.copy()
-    out.set(("params", "old"), tree.rebuild(old_td, torch._foreach_lerp(old, new, 1.0 - d)))
+    out.set(("params", "old"), tree.rebuild(old_td, _compat.foreach_lerp(old, new, 1.0 - d)))
     return out
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from purestep import tree
+from purestep import _compat, tree
 from purestep.optim._base import ScalarOrSchedule, Transform
 from purestep.optim._hparams import AdamHParams
 from purestep.optim._kernels import (
@@ -50,20 +50,20 @@ def _foreach_inplace(
             if hp.decoupled_weight_decay:
                 foreach_mul_(P, 1 - lr * wd)
             else:
-                G = list(torch._foreach_add(G, P, alpha=wd))
-        torch._foreach_lerp_(M, G, 1 - b1)
+                G = list(_compat.foreach_add(G, P, alpha=wd))
+        _compat.foreach_lerp_(M, G, 1 - b1)
         foreach_mul_(V, b2)
-        torch._foreach_addcmul_(V, G, G, 1 - b2)
+        _compat.foreach_addcmul_(V, G, G, 1 - b2)
         del G
         if hp.amsgrad:
             X = nu_max[sl]
-            torch._foreach_maximum_(X, V)
-            den = list(torch._foreach_sqrt(X))
+            _compat.foreach_maximum_(X, V)
+            den = list(_compat.foreach_sqrt(X))
         else:
-            den = list(torch._foreach_sqrt(V))
-        torch._foreach_div_(den, bc2_sqrt)
-        torch._foreach_add_(den, hp.eps)
-        torch._foreach_addcdiv_(P, M, den, step_size)
+            den = list(_compat.foreach_sqrt(V))
+        _compat.foreach_div_(den, bc2_sqrt)
+        _compat.foreach_add_(den, hp.eps)
+        _compat.foreach_addcdiv_(P, M, den, step_size)
 
 
 def _kernel(hp: AdamHParams) -> Kernel:
@@ -74,7 +74,7 @@ def _kernel(hp: AdamHParams) -> Kernel:
     distinct step count. ``steps`` are the per-parameter 1-based steps.
     """
     b1, b2 = hp.betas
-    fused = torch._fused_adamw_ if hp.decoupled_weight_decay else torch._fused_adam_
+    fused = _compat.fused_adamw_ if hp.decoupled_weight_decay else _compat.fused_adam_
 
     def kernel(
         p: list[torch.Tensor],

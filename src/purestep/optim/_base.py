@@ -25,7 +25,7 @@ import attrs
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from purestep import tree
+from purestep import _compat, tree
 
 __all__ = [
     "ScalarOrSchedule",
@@ -174,8 +174,8 @@ class _Subset:
     def of(params: TensorDictBase, grads: TensorDictBase) -> _Subset | None:
         """None when ``grads`` has exactly the params' structure; raise on unknown keys/shapes."""
         if (
-            type(params) is TensorDict
-            and type(grads) is TensorDict
+            type(params) is _compat.PLAIN_TD
+            and type(grads) is _compat.PLAIN_TD
             and tree._same_structure(params, grads, True)
         ):
             return None
@@ -262,11 +262,11 @@ def apply_updates(
     ]
     if donate:
         if p_leaves:
-            torch._foreach_add_(
+            _compat.foreach_add_(
                 [tree.local(p) for p in p_leaves], [tree.local(u) for u in u_leaves]
             )
         return cast(TensorDict, params)
-    return tree.rebuild(params, torch._foreach_add(p_leaves, u_leaves) if p_leaves else [])
+    return tree.rebuild(params, _compat.foreach_add(p_leaves, u_leaves) if p_leaves else [])
 
 
 def _chain_init(transforms: tuple[Transform, ...]) -> Callable[[TensorDictBase], TensorDict]:

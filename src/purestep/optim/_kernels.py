@@ -27,7 +27,7 @@ from typing import Any, Protocol, cast
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from purestep import tree
+from purestep import _compat, tree
 from purestep.optim._base import ScalarOrSchedule, Transform
 
 __all__ = [
@@ -303,7 +303,7 @@ def foreach_mul_(tensors: list[torch.Tensor], factor: float | torch.Tensor) -> N
             f = torch.tensor(factor, dtype=torch.float64)
         else:
             f = factor
-        torch._foreach_mul_(ts, f)
+        _compat.foreach_mul_(ts, f)
 
 
 class Kernel(Protocol):
@@ -409,9 +409,9 @@ def kernel_transform(
             m = [[_clone(t) for t in ms] for ms in m]
         if s is not None and s:
             if donate_state:
-                torch._foreach_add_(s, 1.0)
+                _compat.foreach_add_(s, 1.0)
             else:
-                s = list(torch._foreach_add(s, 1.0))
+                s = list(_compat.foreach_add(s, 1.0))
         lp = locals_(p)
         if lp:
             g = match_layout(lp, locals_(tree.leaves(grads)))
@@ -453,7 +453,7 @@ def kernel_transform(
         before = locals_(tree.leaves(params))
         lp = locals_(p)
         if lp:
-            torch._foreach_sub_(lp, before)
+            _compat.foreach_sub_(lp, before)
         return tree.rebuild(params, p), TensorDict(new_state, batch_size=[])
 
     return Transform(init_fn=init, update_fn=update, step_fn=step, name=name, hparams=hparams)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from purestep import tree
+from purestep import _compat, tree
 from purestep.optim._base import ScalarOrSchedule, Transform
 from purestep.optim._hparams import LionHParams
 from purestep.optim._kernels import chunks, foreach_mul_, kernel_transform, pick
@@ -36,13 +36,13 @@ def _lion(
         P, G, M = pick(p, idx, n), pick(g, idx, n), pick(mu, idx, n)
         G = [x if x.dtype == dtype else x.to(dtype) for x in G]
         for sl in chunks(P):
-            c = list(torch._foreach_lerp(M[sl], G[sl], 1 - b1))
-            torch._foreach_sign_(c)
+            c = list(_compat.foreach_lerp(M[sl], G[sl], 1 - b1))
+            _compat.foreach_sign_(c)
             if hp.weight_decay != 0:
                 foreach_mul_(P[sl], 1 - lr * hp.weight_decay)
-            torch._foreach_add_(P[sl], c, alpha=-lr)
+            _compat.foreach_add_(P[sl], c, alpha=-lr)
             del c
-            torch._foreach_lerp_(M[sl], G[sl], 1 - b2)
+            _compat.foreach_lerp_(M[sl], G[sl], 1 - b2)
 
 
 def lion(

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from purestep import tree
+from purestep import _compat, tree
 from purestep.optim._base import ScalarOrSchedule, Transform
 from purestep.optim._hparams import SGDHParams
 from purestep.optim._kernels import (
@@ -39,19 +39,19 @@ def _direction(
     """
     d = g
     if hp.weight_decay != 0:
-        d = list(torch._foreach_add(g, p, alpha=hp.weight_decay))
+        d = list(_compat.foreach_add(g, p, alpha=hp.weight_decay))
     if hp.momentum == 0:
         return d
     if first:
-        torch._foreach_copy_(buf, d)
+        _compat.foreach_copy_(buf, d)
     else:
         foreach_mul_(buf, hp.momentum)
-        torch._foreach_add_(buf, d, alpha=1 - hp.dampening)
+        _compat.foreach_add_(buf, d, alpha=1 - hp.dampening)
     if not hp.nesterov:
         return buf
     if d is g:
-        return list(torch._foreach_add(g, buf, alpha=hp.momentum))
-    torch._foreach_add_(d, buf, alpha=hp.momentum)
+        return list(_compat.foreach_add(g, buf, alpha=hp.momentum))
+    _compat.foreach_add_(d, buf, alpha=hp.momentum)
     return d
 
 
@@ -74,7 +74,7 @@ def _group(
         G = [x if x.dtype == dtype else x.to(dtype) for x in G]
         if fused_supported(device, dtype, kernel="sgd") and all_dense(P):
             # Grads are written by the kernel only with grad_scale / maximize (never passed).
-            torch._fused_sgd_(
+            _compat.fused_sgd_(
                 P,
                 G,
                 B,
@@ -89,7 +89,7 @@ def _group(
             continue
         for sl in chunks(P):
             d = _direction(P[sl], G[sl], B[sl] if has_buf else [], hp, first)
-            torch._foreach_add_(P[sl], d, alpha=-lr)
+            _compat.foreach_add_(P[sl], d, alpha=-lr)
 
 
 def _kernel(hp: SGDHParams) -> Kernel:

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from purestep import tree
+from purestep import _compat, tree
 from purestep.step._batch import batch_size, with_index
 from purestep.step._bound import is_bound
 from purestep.step._context import Microbatch, microbatch_scope
@@ -137,7 +137,7 @@ def accumulate(grad_fn: GradFn, k: int) -> GradFn:
                 metrics = tree.rebuild(m, [t * w for t in m_leaves])
                 m_acc = tree.leaves(metrics)
             elif m_acc:
-                torch._foreach_add_(m_acc, m_leaves, alpha=w)
+                _compat.foreach_add_(m_acc, m_leaves, alpha=w)
             for role_key in g.keys():
                 role = str(role_key)
                 role_grads = g.get(role)

@@ -30,7 +30,7 @@ from tensordict import TensorDict, TensorDictBase
 from torch import nn
 from torch.nn.modules import module as _torch_module
 
-from purestep import rng, tree
+from purestep import _compat, rng, tree
 from purestep.step import _swap
 from purestep.step._context import current_microbatch
 
@@ -40,8 +40,7 @@ _DROPOUT_TAG = 0x6D6F6475  # folded into a call's key before seeding the global 
 
 
 def _registration_hooks() -> dict[Any, Any]:
-    hooks: dict[Any, Any] = getattr(_torch_module, "_global_parameter_registration_hooks", {})
-    return hooks
+    return _compat.registration_hooks()
 
 
 class _Batch:

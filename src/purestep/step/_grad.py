@@ -29,7 +29,7 @@ from typing import Any, Protocol
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from purestep import tree
+from purestep import _compat, tree
 from purestep.step._bound import bound_grads, is_bound
 from purestep.step._call import call_scope
 from purestep.step._context import live_scope
@@ -162,7 +162,7 @@ def _loss_view(
         else []
     )
     simple = (
-        type(params) is TensorDict
+        type(params) is _compat.PLAIN_TD
         and params.device is None
         and not params.batch_dims
         and all(type(v) is TensorDict for v in params._tensordict.values())

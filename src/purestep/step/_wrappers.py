@@ -5,10 +5,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import attrs
-import torch
 from tensordict import TensorDict, TensorDictBase
 
-from purestep import tree
+from purestep import _compat, tree
 from purestep.step._batch import Batch
 from purestep.step._train import TrainStep
 
@@ -96,7 +95,7 @@ class EMAStep:
             if cp:
                 tree.copy_([e[i] for i in cp], [p[i] for i in cp])
             if avg:
-                torch._foreach_lerp_(
+                _compat.foreach_lerp_(
                     [tree.local(e[i]) for i in avg],
                     [tree.local(p[i]) for i in avg],
                     1.0 - self.decay,
@@ -106,7 +105,9 @@ class EMAStep:
         for i in cp:
             new[i] = p[i].clone()
         if avg:
-            lerped = torch._foreach_lerp([e[i] for i in avg], [p[i] for i in avg], 1.0 - self.decay)
+            lerped = _compat.foreach_lerp(
+                [e[i] for i in avg], [p[i] for i in avg], 1.0 - self.decay
+            )
             for i, t in zip(avg, lerped, strict=True):
                 new[i] = t
         state.set(dst, tree.rebuild(ema_td, new))
