@@ -6,7 +6,7 @@ import contextlib
 import inspect
 import weakref
 from collections.abc import Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import attrs
 import torch
@@ -138,12 +138,7 @@ class TrainStep:
                     f"train_step: state has no opt_state for role {role!r}; build the state "
                     "with init_state(..., optimizers=...) using the same optimizers"
                 )
-        if self.skip_nonfinite and "skip" not in state.keys():
-            out = state.copy()
-            zero = torch.zeros((), dtype=torch.int64)
-            out.set("skip", TensorDict({"total": zero, "consecutive": zero.clone()}, []))
-            return out
-        return state
+        return add_skip_counters(state) if self.skip_nonfinite else state
 
     def __call__(self, state: TensorDictBase, batch: Batch) -> tuple[TensorDict, TensorDict]:
         # the grad-norm metric and clip_by_global_norm share one norm of the same grads
@@ -191,7 +186,7 @@ class TrainStep:
             out.set("buffers", new_buffers)
         _next_step(state, out, self.donate)
         if self.skip_nonfinite:
-            _set_skip(out, state, consecutive=0, total_inc=0, donate=self.donate)
+            set_skip(out, state, consecutive=0, total_inc=0, donate=self.donate)
             metrics.set("skipped", torch.zeros((), dtype=torch.bool))
         for role in updated:
             lr = current_lr(out.get(("opt_state", role)))
@@ -212,7 +207,7 @@ class TrainStep:
             )
         out = state if self.donate else state.copy()
         _next_step(state, out, self.donate)
-        _set_skip(out, state, consecutive=consecutive, total_inc=1, donate=self.donate)
+        set_skip(out, state, consecutive=consecutive, total_inc=1, donate=self.donate)
         metrics.set("skipped", torch.ones((), dtype=torch.bool))
         return out, metrics
 
@@ -324,7 +319,17 @@ def _all_finite(metrics: TensorDictBase, norms: Mapping[str, torch.Tensor]) -> t
     return torch.stack([c.cpu() for c in checks]).all()
 
 
-def _set_skip(
+def add_skip_counters(state: TensorDictBase) -> TensorDict:
+    """``state`` with ``state["skip", "total" | "consecutive"]`` (int64 zeros) where missing."""
+    if "skip" in state.keys():
+        return cast(TensorDict, state)
+    out = state.copy()
+    zero = torch.zeros((), dtype=torch.int64)
+    out.set("skip", TensorDict({"total": zero, "consecutive": zero.clone()}, []))
+    return out
+
+
+def set_skip(
     out: TensorDictBase, state: TensorDictBase, *, consecutive: int, total_inc: int, donate: bool
 ) -> None:
     total = state.get(("skip", "total"))

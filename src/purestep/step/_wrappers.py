@@ -1,17 +1,27 @@
-"""Step wrappers with the step signature: ``with_ema`` and ``skip_nonfinite``."""
+"""Step wrappers with the step signature: ``with_ema`` and ``skip_nonfinite``.
+
+Both take any :class:`~purestep.step.Step` (``step(state, batch) -> (state, metrics)``
+with ``prepare(state)``), so they compose with each other in any order, with
+compiled steps and with a user's own wrappers. On steps built by
+:func:`~purestep.train_step`, ``skip_nonfinite`` is fused into the step (the check
+runs before the optimizer, so it also works with ``donate=True``); on other steps it
+discards a non-finite result and returns the input state advanced by one step.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import overload
 
 import attrs
+import torch
 from tensordict import TensorDict, TensorDictBase
 
 from purestep import _compat, tree
 from purestep.step._batch import Batch
-from purestep.step._train import TrainStep
+from purestep.step._train import NonFiniteError, Step, TrainStep, add_skip_counters, set_skip
 
-__all__ = ["EMAStep", "skip_nonfinite", "with_ema"]
+__all__ = ["EMAStep", "SkipNonFinite", "skip_nonfinite", "with_ema"]
 
 
 def _check_decay(_: object, attribute: attrs.Attribute[float], value: float) -> None:
@@ -23,7 +33,7 @@ def _check_decay(_: object, attribute: attrs.Attribute[float], value: float) -> 
 class EMAStep:
     """The step built by :func:`with_ema` (see there)."""
 
-    inner: TrainStep | EMAStep
+    inner: Step
     decay: float = attrs.field(validator=_check_decay)
     roles: tuple[str, ...]
     start_step: int = 0
@@ -39,11 +49,11 @@ class EMAStep:
     @property
     def donate(self) -> bool:
         """Whether the wrapped step donates its input state."""
-        return self.inner.donate
+        return _donates(self.inner)
 
     def prepare(self, state: TensorDictBase) -> TensorDict:
         """Add ``state["ema", role]`` (a copy of the role's params) where missing."""
-        state = self.inner.prepare(state)
+        state = _prepare(self.inner, state)
         keys = state.keys(include_nested=True)
         missing = [r for r in self.roles if ("ema", r) not in keys]
         missing_buf = [r for r in self.roles if self.buffers and ("ema_buffers", r) not in keys]
@@ -70,6 +80,8 @@ class EMAStep:
         new_state, metrics = self.inner(state, batch)
         if "skipped" in metrics.keys() and bool(metrics.get("skipped")):
             return new_state, metrics
+        if not self.donate and not isinstance(self.inner, _OWN_STEPS):
+            new_state = new_state.copy()  # a foreign step's output may share nodes with its input
         copy = step < self.start_step
         for role in self.roles:
             if step % self._follows(role):
@@ -113,6 +125,81 @@ class EMAStep:
         state.set(dst, tree.rebuild(ema_td, new))
 
 
+def _donates(step: object) -> bool:
+    """Whether ``step`` or any step it wraps (through ``inner``) donates its input."""
+    for _ in range(64):
+        if getattr(step, "donate", False) is True:
+            return True
+        step = getattr(step, "inner", None)
+        if step is None:
+            break
+    return False
+
+
+def _prepare(step: object, state: TensorDictBase) -> TensorDict:
+    prepare = getattr(step, "prepare", None)
+    return prepare(state) if callable(prepare) else state
+
+
+def _check_step(step: object, who: str) -> None:
+    if not callable(step) or isinstance(step, type):
+        raise TypeError(
+            f"{who} wraps a step function step(state, batch) -> (state, metrics) (a "
+            f"purestep.step.Step); got {type(step).__name__}"
+        )
+
+
+def _finite(metrics: TensorDictBase) -> bool:
+    """Whether every floating ``loss`` / ``grad_norm`` metric is finite (one host sync)."""
+    checks = [
+        torch.isfinite(leaf).all().cpu()
+        for path, leaf in zip(tree.paths(metrics), tree.leaves(metrics), strict=True)
+        if path[-1] in ("loss", "grad_norm") and leaf.is_floating_point()
+    ]
+    return bool(torch.stack(checks).all()) if checks else True
+
+
+@attrs.frozen
+class SkipNonFinite:
+    """:func:`skip_nonfinite` around a step that is not a :class:`TrainStep` (see there)."""
+
+    inner: Step
+    max_consecutive: int | None = None
+
+    @property
+    def donate(self) -> bool:
+        """Always ``False``: the input must survive a discarded step."""
+        return False
+
+    def prepare(self, state: TensorDictBase) -> TensorDict:
+        """Add the skip counters ``state["skip", "total" | "consecutive"]`` where missing."""
+        return add_skip_counters(_prepare(self.inner, state))
+
+    def __call__(self, state: TensorDictBase, batch: Batch) -> tuple[TensorDict, TensorDict]:
+        state = self.prepare(state)
+        new_state, metrics = self.inner(state, batch)
+        if _finite(metrics):
+            out = new_state.copy()
+            set_skip(out, state, consecutive=0, total_inc=0, donate=False)
+            metrics.set("skipped", torch.zeros((), dtype=torch.bool))
+            return out, metrics
+        step = int(state.get("step"))
+        consecutive = int(state.get(("skip", "consecutive"))) + 1
+        if self.max_consecutive is not None and consecutive > self.max_consecutive:
+            raise NonFiniteError(
+                f"{consecutive} consecutive steps with a non-finite loss or gradient "
+                f"(max_consecutive={self.max_consecutive}), last at step {step}"
+            )
+        out = state.copy()
+        out.set("step", state.get("step") + 1)
+        set_skip(out, state, consecutive=consecutive, total_inc=1, donate=False)
+        metrics.set("skipped", torch.ones((), dtype=torch.bool))
+        return out, metrics
+
+
+_OWN_STEPS = (TrainStep, EMAStep, SkipNonFinite)
+
+
 def _every_of(step: object) -> Mapping[str, int]:
     """The ``every`` of the :class:`TrainStep` inside ``step`` (through wrappers' ``inner``)."""
     for _ in range(64):
@@ -126,7 +213,7 @@ def _every_of(step: object) -> Mapping[str, int]:
 
 
 def with_ema(
-    step: TrainStep | EMAStep,
+    step: Step,
     decay: float,
     roles: Sequence[str],
     *,
@@ -177,11 +264,7 @@ def with_ema(
         raise ValueError("with_ema: roles is empty")
     if start_step < 0:
         raise ValueError(f"with_ema: start_step must be >= 0, got {start_step}")
-    if not isinstance(step, (TrainStep, EMAStep)):
-        raise TypeError(
-            f"with_ema wraps steps built by train_step/with_ema/skip_nonfinite; got "
-            f"{type(step).__name__}"
-        )
+    _check_step(step, "with_ema")
     return EMAStep(
         inner=step,
         decay=float(decay),
@@ -192,9 +275,17 @@ def with_ema(
     )
 
 
+@overload
+def skip_nonfinite(step: TrainStep, *, max_consecutive: int | None = None) -> TrainStep: ...
+@overload
+def skip_nonfinite(step: EMAStep, *, max_consecutive: int | None = None) -> EMAStep: ...
+@overload
 def skip_nonfinite(
     step: TrainStep | EMAStep, *, max_consecutive: int | None = None
-) -> TrainStep | EMAStep:
+) -> TrainStep | EMAStep: ...
+@overload
+def skip_nonfinite(step: Step, *, max_consecutive: int | None = None) -> Step: ...
+def skip_nonfinite(step: Step, *, max_consecutive: int | None = None) -> Step:
     """Skip updates whose loss or gradient is not finite, as if they never happened.
 
     A skipped step leaves params, opt_state (so optimizer counts and schedules)
@@ -204,8 +295,12 @@ def skip_nonfinite(
     than ``max_consecutive`` consecutive skips raise :class:`NonFiniteError`
     naming the count. Checking finiteness costs one host sync per step.
 
-    Works on steps built by :func:`train_step`, in any order with
-    :func:`with_ema` (``skip_nonfinite(with_ema(s))`` == ``with_ema(skip_nonfinite(s))``).
+    Works on any step, in any order with :func:`with_ema`
+    (``skip_nonfinite(with_ema(s))`` == ``with_ema(skip_nonfinite(s))``) and user
+    wrappers. On a :func:`train_step` step the check is fused into it, before the
+    optimizer (so donation works); any other step must not donate (its result is
+    discarded and the input state returned, advanced one step, when a floating
+    ``loss`` or ``grad_norm`` metric is not finite: :class:`SkipNonFinite`).
 
     Example:
         >>> from purestep import optim, train_step, value_and_grad
@@ -220,6 +315,13 @@ def skip_nonfinite(
         return attrs.evolve(step, inner=skip_nonfinite(step.inner, max_consecutive=max_consecutive))
     if isinstance(step, TrainStep):
         return attrs.evolve(step, skip_nonfinite=True, max_consecutive=max_consecutive)
-    raise TypeError(
-        f"skip_nonfinite wraps steps built by train_step/with_ema; got {type(step).__name__}"
-    )
+    if isinstance(step, SkipNonFinite):
+        return attrs.evolve(step, max_consecutive=max_consecutive)
+    _check_step(step, "skip_nonfinite")
+    if _donates(step):
+        raise ValueError(
+            f"skip_nonfinite: {type(step).__name__} donates its input state, so its input is "
+            "already overwritten when its metrics show a non-finite loss; build it with "
+            "donate=False (train_step steps fuse the check and may donate)"
+        )
+    return SkipNonFinite(inner=step, max_consecutive=max_consecutive)
