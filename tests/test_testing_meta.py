@@ -23,6 +23,7 @@ from torch import nn
 
 import purestep as ps
 from purestep import optim, testing
+from purestep.testing import _steps as testing_steps
 from purestep.testing._global_rng import RngWatch, global_rng_states
 
 StepFn = Callable[[TensorDictBase, Any], tuple[TensorDictBase, TensorDictBase]]
@@ -195,24 +196,39 @@ def _global_rng_setup() -> tuple[Callable[[int], StepFn], TensorDict]:
 _GLOBAL = r"drew from torch's global RNG.*pass key= to purestep\.call"
 
 
+def _during(where: str) -> str:
+    return rf"drew from torch's global RNG \(its state changed during {where}.*pass key= to purestep\.call"
+
+
 def test_every_check_names_global_rng_consumption_as_the_cause() -> None:
     """A module drawing from torch.rand (train-mode label dropout): each check says so."""
     make, state = _global_rng_setup()
     step = make(1)
     batches = [_batch(i) for i in range(3)]
-    with pytest.raises(AssertionError, match=_GLOBAL):
+    with pytest.raises(
+        AssertionError,
+        match=r"drew from torch's global RNG: its state changed during the first call",
+    ):
         testing.assert_pure(step, state, batches[0])
-    with pytest.raises(AssertionError, match=_GLOBAL):
+    with pytest.raises(
+        AssertionError,
+        match=_during(r"step 0 of run 1 \(the cpu generator\) and 5 more step calls"),
+    ):
         testing.assert_deterministic(step, state, batches)
-    with pytest.raises(AssertionError, match=_GLOBAL):
+    with pytest.raises(AssertionError, match=_during("step 0 of the donate=False run")):
         testing.assert_donation_safe(lambda d: step, state, batches)
-    with pytest.raises(AssertionError, match=_GLOBAL):
+    with pytest.raises(AssertionError, match=_during("step 0 with k=1")):
         testing.assert_accumulation_invariant(make, state, batches)
-    with pytest.raises(AssertionError, match=_GLOBAL):
+    with pytest.raises(AssertionError, match=_during("step 0 of k=1")):
         testing.assert_accumulation_invariant(make, state, batches, compare="state")
-    with pytest.raises(AssertionError, match=_GLOBAL):
+    with pytest.raises(AssertionError, match=_during("step 0 of the uninterrupted run")):
         testing.assert_resume_exact(step, state, batches, save_at=1)
-    with pytest.raises(AssertionError, match=rf"cadence: role 'm' changed at step 1.*{_GLOBAL}"):
+    watch = RngWatch()
+    testing_steps.run_watched(step, state, batches[1:], watch, "the resumed run", 1)
+    assert watch.consumed == [f"step {i} of the resumed run (the cpu generator)" for i in (1, 2)]
+    with pytest.raises(
+        AssertionError, match=rf"cadence: role 'm' changed at step 1.*{_during('step 0')}"
+    ):
         testing.assert_cadence(step, state, batches, "m", 2)
 
 
@@ -241,6 +257,11 @@ def test_rng_watch_notes_only_the_calls_that_drew() -> None:
     assert w.consumed == ["b (the cpu generator)"]
     assert "b (the cpu generator)" in w.hint()
     assert RngWatch().hint() == ""
+    assert "(its state changed during b (the cpu generator))" in w.hint()
+    w.call("d", torch.rand, 1)
+    assert "during b (the cpu generator) and 1 more step call)" in w.hint()
+    w.call("e", torch.rand, 1)
+    assert "during b (the cpu generator) and 2 more step calls)" in w.hint()
     assert "cpu" in global_rng_states()
 
 
@@ -512,3 +533,21 @@ def test_assert_cadence_passes_the_right_every_and_fails_a_wrong_one(
             AssertionError, match=r"cadence: role 'm' (should update|changed) at step"
         ):
             testing.assert_cadence(step, state, batches, "m", wrong)
+
+
+def test_run_steps_threads_the_state_and_returns_every_metric() -> None:
+    """run_steps calls the step once per batch in order, feeding each output state to the next."""
+    seen: list[float] = []
+
+    def step(s: TensorDictBase, b: Any) -> tuple[TensorDictBase, TensorDictBase]:
+        seen.append(float(b["x"]))
+        return s.apply(lambda t: t + b["x"]), TensorDict({"v": s["w"].clone()}, [])
+
+    final, metrics = testing.run_steps(
+        step,
+        TensorDict({"w": torch.zeros(())}, []),
+        [{"x": torch.tensor(float(i))} for i in (1, 2, 3)],
+    )
+    assert seen == [1.0, 2.0, 3.0]
+    assert float(final["w"]) == 6.0
+    assert [float(m["v"]) for m in metrics] == [0.0, 1.0, 3.0]
