@@ -551,3 +551,35 @@ def test_run_steps_threads_the_state_and_returns_every_metric() -> None:
     assert seen == [1.0, 2.0, 3.0]
     assert float(final["w"]) == 6.0
     assert [float(m["v"]) for m in metrics] == [0.0, 1.0, 3.0]
+
+
+class _NeedsPrepare:
+    """A step that needs a key its ``prepare`` adds (like with_ema's EMA or skip_nonfinite's counters)."""
+
+    def prepare(self, state: TensorDictBase) -> TensorDictBase:
+        out = state.clone()
+        out["extra"] = torch.ones(())
+        return out
+
+    def __call__(self, s: TensorDictBase, b: Any) -> tuple[TensorDictBase, TensorDictBase]:
+        out = s.clone()
+        out["params", "m", "w"] = s["params", "m", "w"] * s["extra"] + 1
+        out["step"] = s["step"] + 1
+        return out, TensorDict({}, [])
+
+
+def test_every_check_runs_the_steps_prepare_first() -> None:
+    """Each check calls step.prepare(state) before the first step (the step fails without it)."""
+    state = TensorDict(
+        {"params": {"m": {"w": torch.zeros(2)}}, "step": torch.zeros((), dtype=torch.int64)}, []
+    )
+    step = _NeedsPrepare()
+    batches = [{"x": torch.ones(1)}] * 3
+    with pytest.raises(KeyError):
+        step(state, batches[0])
+    testing.assert_pure(step, state, batches[0])
+    testing.assert_deterministic(step, state, batches)
+    testing.assert_donation_safe(lambda d: step, state, batches)
+    testing.assert_resume_exact(step, state, batches, save_at=1)
+    testing.assert_cadence(step, state, batches, "m", 1)
+    testing.assert_accumulation_invariant(lambda k: step, state, batches, compare="state")
