@@ -455,6 +455,61 @@ def test_skip_nonfinite_is_donation_safe() -> None:
     )
 
 
+def _nonfinite_from(net: nn.Module) -> ps.step.LossFn:
+    """MSE, plus where the batch says: a constant offset (non-finite loss, finite gradients) and
+    a term of value 0 whose gradient is NaN when ``bt["g"]`` is 0 (finite loss, NaN gradients)."""
+
+    def loss_fn(p: TensorDictBase, bt: TensorDictBase, key: torch.Tensor) -> Any:
+        loss = ((ps.call(net, p["student"], bt["x"]) - bt["y"]) ** 2).mean()
+        w = p["student", "0", "bias"]
+        nan_grad = ((w * 0 + bt["g"].mean()).sqrt() * 0).sum() * 0  # d/dw = 0 * inf * 0
+        return loss * bt["scale"].mean() + bt["offset"].mean() + nan_grad, {}
+
+    return loss_fn
+
+
+@settings(max_examples=24, deadline=None)
+@given(
+    where=st.lists(st.sampled_from(["none", "loss", "grad", "both"]), min_size=1, max_size=4),
+    value=st.sampled_from([float("nan"), float("inf"), float("-inf")]),
+    donate=st.booleans(),
+)
+def test_a_nonfinite_loss_or_gradient_alone_is_skipped(
+    where: list[str], value: float, donate: bool
+) -> None:
+    """A step is skipped when only the loss is non-finite (a constant NaN offset: finite grads),
+    when only a gradient is (the loss is finite), or both; params, opt_state and EMA stay."""
+    net = _mlp(0)
+    opt = {"student": optim.adamw(1e-2)}
+    step = ps.with_ema(
+        ps.skip_nonfinite(
+            ps.train_step(ps.value_and_grad(_nonfinite_from(net)), opt, donate=donate)
+        ),
+        0.9,
+        ["student"],
+    )
+    state = step.prepare(ps.init_state({"student": net}, opt, seed=0))
+    skipped = 0
+    for i, w in enumerate(where):
+        b = _batch(i, 4)
+        b["offset"] = torch.full((4,), value if w == "loss" else 0.0)
+        b["scale"] = torch.full((4,), value if w == "both" else 1.0)
+        b["g"] = torch.full((4,), 0.0 if w == "grad" else 1.0)
+        before = testing.snapshot(state.exclude("step", "skip"))
+        state, metrics = step(state, b)
+        after = state.exclude("step", "skip")
+        if w == "none":
+            assert not bool(metrics["skipped"])
+            assert not torch.equal(
+                after["params", "student", "2", "bias"], before["params", "student", "2", "bias"]
+            )
+        else:
+            skipped += 1
+            assert bool(metrics["skipped"]), f"step {i} with a non-finite {w} was not skipped"
+            testing.assert_trees_equal(after, before, what=f"state after a non-finite {w}")
+        assert int(state["skip", "total"]) == skipped
+
+
 @pytest.mark.parametrize("donate", [False, True])
 def test_clipping_reuses_the_grad_norm_metric_norm_and_results_are_unchanged(
     donate: bool, monkeypatch: pytest.MonkeyPatch

@@ -63,6 +63,91 @@ def _structure(a: TensorDictBase, b: TensorDictBase, what: str) -> None:
         )
 
 
+def _mismatch(x: torch.Tensor, y: torch.Tensor) -> str | None:
+    """``"actual <dtype><shape> vs expected <dtype><shape>"`` when those differ, else None."""
+    if x.shape != y.shape or x.dtype != y.dtype:
+        return f"actual {x.dtype}{tuple(x.shape)} vs expected {y.dtype}{tuple(y.shape)}"
+    return None
+
+
+def report(what: str, failures: list[tuple[str, str]], suffix: str = "") -> str:
+    """The message for ``failures`` (``(path, detail)``, leaf order).
+
+    The first line names the first difference; when more leaves differ, one
+    line per leaf follows.
+    """
+    name, detail = failures[0]
+    msg = f"{what}: first difference at {name}{detail}{suffix}"
+    if len(failures) > 1:
+        listed = "".join(f"\n  {n}{d}" for n, d in failures)
+        msg += f"\n{len(failures)} leaves differ:{listed}"
+    return msg
+
+
+def equal_failures(
+    actual: TensorDictBase | Mapping[str, Any],
+    expected: TensorDictBase | Mapping[str, Any],
+    *,
+    what: str = "trees",
+) -> list[tuple[str, str]]:
+    """``(path, detail)`` for every leaf of ``actual`` that is not bitwise equal to ``expected``'s.
+
+    The key structures must match (else ``AssertionError``). Internal to the checks.
+    """
+    a, b = _as_td(actual), _as_td(expected)
+    _structure(b, a, what)
+    out: list[tuple[str, str]] = []
+    for path, x, y in zip(tree.paths(a), tree.leaves(a), tree.leaves(b), strict=True):
+        name = tree.format_path(path)
+        bad = _mismatch(x, y)
+        if bad is not None:
+            out.append((name, f": {bad}"))
+        elif not torch.equal(_bits(x).cpu(), _bits(y).cpu()):
+            max_abs, max_rel = _diff(x, y)
+            out.append(
+                (
+                    name,
+                    f" (not bitwise equal): max abs diff {max_abs:.3g}, max rel diff {max_rel:.3g}",
+                )
+            )
+    return out
+
+
+def close_failures(
+    actual: TensorDictBase | Mapping[str, Any],
+    expected: TensorDictBase | Mapping[str, Any],
+    *,
+    rtol: float | None,
+    atol: float | None,
+    what: str = "trees",
+) -> list[tuple[str, str]]:
+    """``(path, detail)`` for every leaf where ``torch.testing.assert_close`` fails (NaN == NaN).
+
+    The key structures must match (else ``AssertionError``). Internal to the checks.
+    """
+    a, b = _as_td(actual), _as_td(expected)
+    _structure(b, a, what)
+    out: list[tuple[str, str]] = []
+    for path, x, y in zip(tree.paths(a), tree.leaves(a), tree.leaves(b), strict=True):
+        name = tree.format_path(path)
+        try:
+            torch.testing.assert_close(
+                tree.local(x).detach().cpu(),
+                tree.local(y).detach().cpu(),
+                rtol=rtol,
+                atol=atol,
+                equal_nan=True,
+            )
+        except AssertionError:
+            bad = _mismatch(x, y)
+            if bad is not None:
+                out.append((name, f": {bad}"))
+                continue
+            max_abs, max_rel = _diff(x, y)
+            out.append((name, f": max abs diff {max_abs:.3g}, max rel diff {max_rel:.3g}"))
+    return out
+
+
 def assert_trees_equal(
     actual: TensorDictBase | Mapping[str, Any],
     expected: TensorDictBase | Mapping[str, Any],
@@ -73,7 +158,8 @@ def assert_trees_equal(
 
     Raises:
         AssertionError: naming the first diverging key path (leaf order), shapes or
-            dtypes at fault, and the max abs/rel difference there.
+            dtypes at fault, and the max abs/rel difference there, then every
+            diverging leaf with its differences.
 
     Example:
         >>> import torch
@@ -81,19 +167,9 @@ def assert_trees_equal(
     """
     a, b = _as_td(actual), _as_td(expected)
     _structure(b, a, what)
-    for path, x, y in zip(tree.paths(a), tree.leaves(a), tree.leaves(b), strict=True):
-        name = tree.format_path(path)
-        if x.shape != y.shape or x.dtype != y.dtype:
-            raise AssertionError(
-                f"{what}: first difference at {name}: actual {x.dtype}{tuple(x.shape)} vs "
-                f"expected {y.dtype}{tuple(y.shape)}"
-            )
-        if not torch.equal(_bits(x).cpu(), _bits(y).cpu()):
-            max_abs, max_rel = _diff(x, y)
-            raise AssertionError(
-                f"{what}: first difference at {name} (not bitwise equal): "
-                f"max abs diff {max_abs:.3g}, max rel diff {max_rel:.3g}"
-            )
+    failures = equal_failures(a, b)
+    if failures:
+        raise AssertionError(report(what, failures))
 
 
 def assert_trees_close(
@@ -107,7 +183,8 @@ def assert_trees_close(
     """Assert leafwise ``torch.testing.assert_close`` (dtype-default tolerances when None).
 
     Raises:
-        AssertionError: naming the first diverging key path and the max abs/rel difference.
+        AssertionError: naming the first diverging key path and the max abs/rel
+            difference, then every diverging leaf with its differences.
 
     Example:
         >>> import torch
@@ -115,24 +192,6 @@ def assert_trees_close(
     """
     a, b = _as_td(actual), _as_td(expected)
     _structure(b, a, what)
-    for path, x, y in zip(tree.paths(a), tree.leaves(a), tree.leaves(b), strict=True):
-        name = tree.format_path(path)
-        try:
-            torch.testing.assert_close(
-                tree.local(x).detach().cpu(),
-                tree.local(y).detach().cpu(),
-                rtol=rtol,
-                atol=atol,
-                equal_nan=True,
-            )
-        except AssertionError:
-            if x.shape != y.shape or x.dtype != y.dtype:
-                raise AssertionError(
-                    f"{what}: first difference at {name}: actual {x.dtype}{tuple(x.shape)} vs "
-                    f"expected {y.dtype}{tuple(y.shape)}"
-                ) from None
-            max_abs, max_rel = _diff(x, y)
-            raise AssertionError(
-                f"{what}: first difference at {name}: max abs diff {max_abs:.3g}, "
-                f"max rel diff {max_rel:.3g} (rtol={rtol}, atol={atol})"
-            ) from None
+    failures = close_failures(a, b, rtol=rtol, atol=atol)
+    if failures:
+        raise AssertionError(report(what, failures, f" (rtol={rtol}, atol={atol})"))

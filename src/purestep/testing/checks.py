@@ -18,7 +18,15 @@ from tensordict import TensorDict, TensorDictBase
 from torch import nn
 
 from purestep.step import Batch, as_batch, module_tensors, recording_modules
-from purestep.testing._compare import assert_trees_close, assert_trees_equal, snapshot
+from purestep.testing._accumulation import assert_accumulation_invariant
+from purestep.testing._compare import (
+    assert_trees_close,
+    assert_trees_equal,
+    equal_failures,
+    snapshot,
+)
+from purestep.testing._global_rng import ADVICE, RngWatch
+from purestep.testing._steps import StepFn, explain, prepare, run_steps, run_watched
 
 __all__ = [
     "assert_accumulation_invariant",
@@ -30,34 +38,24 @@ __all__ = [
     "run_steps",
 ]
 
-StepFn = Callable[[TensorDictBase, Batch], tuple[TensorDictBase, TensorDictBase]]
 SaveFn = Callable[[TensorDictBase, str], Any]
 LoadFn = Callable[..., TensorDictBase]
 
 
-def _prepare(step: StepFn, state: TensorDictBase) -> TensorDictBase:
-    prep = getattr(step, "prepare", None)
-    return prep(state) if prep is not None else state
-
-
-def run_steps(
-    step: StepFn, state: TensorDictBase, batches: Sequence[Batch]
-) -> tuple[TensorDictBase, list[TensorDictBase]]:
-    """Run ``step`` over ``batches`` from ``state``; returns the final state and all metrics.
-
-    Example:
-        >>> import torch
-        >>> from tensordict import TensorDict
-        >>> step = lambda s, b: (s, TensorDict({}, []))
-        >>> final, ms = run_steps(step, TensorDict({"x": torch.ones(1)}, []), [{}, {}])
-        >>> len(ms)
-        2
-    """
-    metrics = []
-    for b in batches:
-        state, m = step(state, b)
-        metrics.append(m)
-    return state, metrics
+def _donation_hint(step: StepFn) -> str:
+    donate = getattr(step, "donate", None)
+    if donate is True:
+        return (
+            ". The step donates its input (donate=True): a donated step reuses the input "
+            "state's buffers by design, so it is not pure; check its donate=False build with "
+            "assert_pure, and that both agree with assert_donation_safe"
+        )
+    if donate is None:
+        return (
+            ". If the step donates its input (built with donate=True), that is by design: "
+            "check its donate=False build with assert_pure"
+        )
+    return ""
 
 
 def _module_changes(
@@ -92,14 +90,24 @@ def _module_changes(
 def assert_pure(
     step: StepFn, state: TensorDictBase, batch: Batch, *, modules: Sequence[nn.Module] = ()
 ) -> None:
-    """Assert that ``step(state, batch)`` leaves ``state``, ``batch`` and modules unchanged.
+    """Assert that ``step(state, batch)`` leaves ``state``, ``batch``, modules and global RNGs unchanged.
 
     Also checks that the returned state shares no *modified* buffer with the input
     (the inputs are compared after the step), that calling it twice gives
-    the same result (so no hidden state was consumed), and that every module the
+    the same result (so no hidden state was consumed), that every module the
     step runs through :func:`purestep.call` (and every module in ``modules``,
     e.g. a frozen teacher called directly) still holds bitwise the same
-    parameters and buffers afterwards.
+    parameters and buffers afterwards, and that the step did not draw from
+    torch's global generators (the CPU one, and CUDA's where initialised):
+    randomness comes from the state's key (``call(..., key=)`` restores them).
+
+    A step built with ``donate=True`` reuses its input's buffers by design and
+    fails this check (the message says so): check its ``donate=False`` build.
+
+    Raises:
+        AssertionError: naming what changed (the key path of the input state or
+            batch, the module and tensor, the global generator) or the first
+            diverging key path of a second call.
 
     Example:
         >>> import torch
@@ -107,20 +115,25 @@ def assert_pure(
         >>> assert_pure(lambda s, b: (s.apply(lambda t: t + 1), TensorDict({}, [])),
         ...             TensorDict({"w": torch.ones(1)}, []), {"x": torch.ones(2)})
     """
-    state = _prepare(step, state)
+    state = prepare(step, state)
     before_state = snapshot(state)
     batch_td = as_batch(batch)
     before_batch = snapshot(batch_td)
-    batch_keys = list(batch_td.keys())
     given = {id(m): (m, {p: t.detach().clone() for p, t in module_tensors(m)}) for m in modules}
+    watch = RngWatch()
     with recording_modules() as seen:
-        out1, m1 = step(state, batch_td)
+        out1, m1 = watch.call("the first call", step, state, batch_td)
     _module_changes({**seen, **given})
-    assert_trees_equal(state, before_state, what="input state after step (step mutated it)")
+    try:
+        assert_trees_equal(state, before_state, what="input state after step (step mutated it)")
+    except AssertionError as e:
+        first, nl, rest = str(e).partition("\n")
+        raise AssertionError(f"{first}{_donation_hint(step)}{nl}{rest}") from None
     assert_trees_equal(batch_td, before_batch, what="input batch after step (step mutated it)")
-    if list(batch_td.keys()) != batch_keys:
+    if watch.consumed:
         raise AssertionError(
-            f"step added keys to the input batch: {sorted(set(batch_td.keys()) - set(batch_keys))}"
+            f"the step drew from torch's global RNG: its state changed during "
+            f"{watch.consumed[0]}, a side effect that also makes every call differ; {ADVICE}"
         )
     out2, m2 = step(state, batch_td)
     assert_trees_equal(out2, out1, what="second call on the same inputs (hidden state?)")
@@ -132,6 +145,10 @@ def assert_deterministic(
 ) -> None:
     """Assert that running ``step`` over ``batches`` from fresh copies of ``state`` is bitwise repeatable.
 
+    Raises:
+        AssertionError: naming the run, step and every diverging key path; when
+            a step drew from torch's global RNG, the message says so.
+
     Example:
         >>> import torch
         >>> from tensordict import TensorDict
@@ -139,14 +156,18 @@ def assert_deterministic(
         ...                      TensorDict({"w": torch.ones(1)}, []), {"x": torch.ones(1)})
     """
     seq = [batches] if not isinstance(batches, Sequence) else list(batches)
-    state = _prepare(step, state)
-    ref_state, ref_metrics = run_steps(step, snapshot(state), [snapshot(as_batch(b)) for b in seq])
+    state = prepare(step, state)
+    watch = RngWatch()
+    ref_state, ref_metrics = run_watched(step, snapshot(state), seq, watch, "run 1")
     ref_state = snapshot(ref_state)
     for r in range(1, runs):
-        s, ms = run_steps(step, snapshot(state), [snapshot(as_batch(b)) for b in seq])
-        assert_trees_equal(s, ref_state, what=f"state of run {r + 1} vs run 1")
-        for i, (m, m0) in enumerate(zip(ms, ref_metrics, strict=True)):
-            assert_trees_equal(m, m0, what=f"metrics of step {i} in run {r + 1} vs run 1")
+        s, ms = run_watched(step, snapshot(state), seq, watch, f"run {r + 1}")
+        try:
+            assert_trees_equal(s, ref_state, what=f"state of run {r + 1} vs run 1")
+            for i, (m, m0) in enumerate(zip(ms, ref_metrics, strict=True)):
+                assert_trees_equal(m, m0, what=f"metrics of step {i} in run {r + 1} vs run 1")
+        except AssertionError as e:
+            raise explain(e, watch) from None
 
 
 def assert_donation_safe(
@@ -163,6 +184,11 @@ def assert_donation_safe(
     bitwise unless tolerances are given. The non-donated run must also leave its
     input unchanged.
 
+    Raises:
+        AssertionError: naming every diverging key path of the state (or the
+            step's metrics), or the input leaf the donate=False run wrote into;
+            when a step drew from torch's global RNG, the message says so.
+
     Example:
         >>> import torch
         >>> from torch import nn
@@ -175,11 +201,12 @@ def assert_donation_safe(
     """
     seq = [batches] if not isinstance(batches, Sequence) else list(batches)
     plain, donated = make_step(False), make_step(True)
-    state = _prepare(plain, state)
+    state = prepare(plain, state)
     keep = snapshot(state)
-    s_plain, m_plain = run_steps(plain, state, seq)
+    watch = RngWatch()
+    s_plain, m_plain = run_watched(plain, state, seq, watch, "the donate=False run")
     assert_trees_equal(state, keep, what="input state of the donate=False run")
-    s_don, m_don = run_steps(donated, snapshot(state), seq)
+    s_don, m_don = run_watched(donated, snapshot(state), seq, watch, "the donate=True run")
     compare: Callable[..., None]
     if rtol == 0.0 and atol == 0.0:
         compare = assert_trees_equal
@@ -188,53 +215,12 @@ def assert_donation_safe(
         def compare(a: Any, b: Any, *, what: str) -> None:
             assert_trees_close(a, b, rtol=rtol, atol=atol, what=what)
 
-    compare(s_don, s_plain, what="state with donate=True vs donate=False")
-    for i, (a, b) in enumerate(zip(m_don, m_plain, strict=True)):
-        compare(a, b, what=f"metrics of step {i} with donate=True vs donate=False")
-
-
-def assert_accumulation_invariant(
-    make_step: Callable[[int], StepFn],
-    state: TensorDictBase,
-    batch: Batch | Sequence[Batch],
-    *,
-    ks: Sequence[int] = (1, 2, 4),
-    rtol: float = 1e-5,
-    atol: float = 1e-6,
-    check_metrics: bool = True,
-) -> None:
-    """Assert that ``make_step(k)`` gives the same state (and metrics) for every ``k`` in ``ks``.
-
-    ``make_step(k)`` should build the step with ``accumulate(grad_fn, k)``. The
-    first ``k`` is the reference; the others must match within ``rtol``/``atol``
-    (float summation order differs between microbatch splits).
-
-    Example:
-        >>> import torch
-        >>> from torch import nn
-        >>> import purestep as ps
-        >>> net = nn.Linear(2, 1)
-        >>> opt = {"m": ps.optim.sgd(1e-1)}
-        >>> gf = ps.value_and_grad(lambda p, b, k: (ps.call(net, p["m"], b["x"]).pow(2).mean(), {}))
-        >>> assert_accumulation_invariant(lambda k: ps.train_step(ps.accumulate(gf, k), opt),
-        ...     ps.init_state({"m": net}, opt, seed=0), {"x": torch.randn(8, 2, generator=torch.Generator().manual_seed(0))})
-    """
-    seq = [batch] if not isinstance(batch, Sequence) else list(batch)
-    if not ks:
-        raise ValueError("assert_accumulation_invariant: ks is empty")
-    ref_step = make_step(ks[0])
-    state = _prepare(ref_step, state)
-    ref_state, ref_metrics = run_steps(ref_step, snapshot(state), seq)
-    for k in ks[1:]:
-        s, ms = run_steps(make_step(k), snapshot(state), seq)
-        assert_trees_close(
-            s, ref_state, rtol=rtol, atol=atol, what=f"state with k={k} vs k={ks[0]}"
-        )
-        if check_metrics:
-            for i, (m, m0) in enumerate(zip(ms, ref_metrics, strict=True)):
-                assert_trees_close(
-                    m, m0, rtol=rtol, atol=atol, what=f"metrics of step {i} with k={k} vs k={ks[0]}"
-                )
+    try:
+        compare(s_don, s_plain, what="state with donate=True vs donate=False")
+        for i, (a, b) in enumerate(zip(m_don, m_plain, strict=True)):
+            compare(a, b, what=f"metrics of step {i} with donate=True vs donate=False")
+    except AssertionError as e:
+        raise explain(e, watch) from None
 
 
 def _torch_save(state: TensorDictBase, path: str) -> None:
@@ -271,6 +257,13 @@ def assert_resume_exact(
         restart_step: the step used after the restart (default ``step``): pass a
             freshly built step to prove the step object holds no state.
 
+    Raises:
+        AssertionError: naming every key path where the resumed run's final
+            state differs from the uninterrupted run's, and the leaves where the
+            state ``load_fn`` returned differs from the saved one (a lossy
+            round trip); when a step drew from torch's global RNG, the message
+            says so.
+
     Example:
         >>> import torch
         >>> from torch import nn
@@ -285,20 +278,44 @@ def assert_resume_exact(
         raise ValueError(f"save_at={save_at} is outside [0, {len(batches)}]")
     save = save_fn or _torch_save
     load = load_fn or _torch_load
-    state = _prepare(step, state)
-    full, _ = run_steps(step, snapshot(state), [snapshot(as_batch(b)) for b in batches])
+    state = prepare(step, state)
+    watch = RngWatch()
+    full, _ = run_watched(step, snapshot(state), batches, watch, "the uninterrupted run")
     full = snapshot(full)
-    mid, _ = run_steps(step, snapshot(state), [snapshot(as_batch(b)) for b in batches[:save_at]])
+    mid, _ = run_watched(step, snapshot(state), batches[:save_at], watch, "the run before the save")
     like = snapshot(mid)
     with tempfile.TemporaryDirectory() as d:
         target = os.path.join(d, "ckpt")
         save(mid, target)
         del mid
         restored = load(target, like=like)
-    resumed, _ = run_steps(
-        restart_step or step, restored, [snapshot(as_batch(b)) for b in batches[save_at:]]
+    loaded = snapshot(restored)
+    resumed, _ = run_watched(
+        restart_step or step, restored, batches[save_at:], watch, "the resumed run", save_at
     )
-    assert_trees_equal(resumed, full, what=f"state resumed after step {save_at} vs uninterrupted")
+    try:
+        assert_trees_equal(
+            resumed, full, what=f"state resumed after step {save_at} vs uninterrupted"
+        )
+    except AssertionError as e:
+        first, nl, rest = str(e).partition("\n")
+        hint = _round_trip_hint(loaded, like)
+        raise explain(AssertionError(f"{first}{hint}{nl}{rest}"), watch) from None
+
+
+def _round_trip_hint(loaded: TensorDictBase, saved: TensorDictBase) -> str:
+    """Where the loaded state differs from the saved one ("" when it round-tripped)."""
+    try:
+        failures = equal_failures(loaded, saved)
+    except AssertionError as e:  # key structure differs
+        return f". The state returned by load_fn is not the saved one: {e}"
+    if not failures:
+        return ""
+    listed = ", ".join(name for name, _ in failures)
+    return (
+        f". The state returned by load_fn differs from the saved one at {listed}: the save/load "
+        "round trip is lossy"
+    )
 
 
 def assert_cadence(
@@ -326,25 +343,32 @@ def assert_cadence(
     """
     if every < 1:
         raise ValueError(f"every must be >= 1, got {every}")
-    state = _prepare(step, state)
+    state = prepare(step, state)
+    watch = RngWatch()
     for b in batches:
         s = int(state.get("step"))
         before = snapshot(_role_view(state, role))
-        state, _ = step(state, b)
+        state, _ = watch.call(f"step {s}", step, state, b)
         after = _role_view(state, role)
         if s % every == 0:
             if _equal(after.get("params"), before.get("params")):
-                raise AssertionError(
-                    f"cadence: role {role!r} should update at step {s} (every={every}) but its "
-                    "params did not change"
+                raise explain(
+                    AssertionError(
+                        f"cadence: role {role!r} should update at step {s} (every={every}) but "
+                        "its params did not change"
+                    ),
+                    watch,
                 )
         else:
             try:
                 assert_trees_equal(after, before, what=f"role {role!r} at step {s}")
             except AssertionError as e:
-                raise AssertionError(
-                    f"cadence: role {role!r} changed at step {s}, which is not a multiple of "
-                    f"every={every}: {e}"
+                raise explain(
+                    AssertionError(
+                        f"cadence: role {role!r} changed at step {s}, which is not a multiple of "
+                        f"every={every}: {e}"
+                    ),
+                    watch,
                 ) from None
 
 

@@ -401,8 +401,9 @@ def _check(
             expected,
             what=f"assert_matches_imperative ({where}): purestep vs the imperative loop",
         )
-    except AssertionError as e:
-        raise AssertionError(f"{e}{hint}") from None
+    except AssertionError as e:  # the hint goes on the first line, before the list of leaves
+        first, nl, rest = str(e).partition("\n")
+        raise AssertionError(f"{first}{hint}{nl}{rest}") from None
 
 
 def _own_tensors(model: nn.Module) -> TensorDict:

@@ -1,0 +1,585 @@
+"""Meta-tests of the property kit: every ``purestep.testing`` check fails on each defect it claims
+to detect, naming the key path (or module, generator, step) at fault, and passes a correct step.
+
+``test_testing.py`` has the first negative test of each check; here each check is handed
+deliberately broken steps, save/load pairs and factories drawn by hypothesis, and the
+messages of issue 17 item 7 are pinned: global-RNG consumption is named as such,
+accumulation invariance compares gradients and lists every failing leaf, and a
+donated step's impurity names donation as the cause.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tensordict import TensorDict, TensorDictBase
+from torch import nn
+
+import purestep as ps
+from purestep import optim, testing
+from purestep.testing import _steps as testing_steps
+from purestep.testing._global_rng import RngWatch, global_rng_states
+
+StepFn = Callable[[TensorDictBase, Any], tuple[TensorDictBase, TensorDictBase]]
+
+
+def _net(seed: int = 0) -> nn.Module:
+    g = torch.Generator().manual_seed(seed)
+    net = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    with torch.no_grad():
+        for p in net.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    return net
+
+
+def _batch(i: int, n: int = 4) -> TensorDict:
+    g = torch.Generator().manual_seed(100 + i)
+    return TensorDict(
+        {"x": torch.randn(n, 3, generator=g), "y": torch.randn(n, 2, generator=g)}, [n]
+    )
+
+
+def _mse(net: nn.Module) -> Callable[..., Any]:
+    def loss(p: TensorDictBase, b: TensorDictBase, key: torch.Tensor) -> Any:
+        return ((ps.call(net, p["m"], b["x"]) - b["y"]) ** 2).mean(), {}
+
+    return loss
+
+
+def _setup(
+    opt: optim.Transform | None = None,
+) -> tuple[nn.Module, dict[str, optim.Transform], Callable[..., Any], TensorDict]:
+    net = _net()
+    opts = {"m": opt if opt is not None else optim.adamw(1e-2)}
+    gf = ps.value_and_grad(_mse(net))
+    return net, opts, gf, ps.init_state({"m": net}, opts, seed=0)
+
+
+_PARAM_LEAVES = ["0.weight", "0.bias", "2.weight", "2.bias"]
+
+
+# --- the comparison helpers report every diverging leaf ---------------------------------------
+
+
+@settings(max_examples=20, deadline=None)
+@given(bad=st.sets(st.sampled_from(["a", "b.c", "b.d", "e"]), min_size=1))
+def test_tree_comparisons_name_the_first_and_every_diverging_leaf(bad: set[str]) -> None:
+    """assert_trees_equal/close: the first line names the first leaf; every bad leaf is listed."""
+    a = TensorDict({"a": torch.zeros(2), "b": {"c": torch.zeros(3), "d": torch.zeros(1)}}, [])
+    a["e"] = torch.zeros(2)
+    b = a.clone()
+    for name in bad:
+        b[tuple(name.split("."))] += 1.0
+    order = [n for n in ["a", "b.c", "b.d", "e"] if n in bad]
+    for check in (testing.assert_trees_equal, testing.assert_trees_close):
+        with pytest.raises(AssertionError) as info:
+            check(b, a)
+        msg = str(info.value)
+        assert msg.splitlines()[0].startswith(f"trees: first difference at {order[0]}")
+        listed = [ln.split()[0].rstrip(":") for ln in msg.splitlines()[2:]]
+        assert listed == (order if len(order) > 1 else [])
+
+
+# --- assert_pure ------------------------------------------------------------------------------
+
+
+@settings(max_examples=12, deadline=None)
+@given(leaf=st.sampled_from([*_PARAM_LEAVES, "opt_state.m.mu.0.weight", "step"]))
+def test_assert_pure_names_the_input_leaf_a_step_wrote_into(leaf: str) -> None:
+    """Writing into any input leaf is reported with that key path."""
+    _, opts, gf, state = _setup()
+    good = ps.train_step(gf, opts)
+    path = tuple(["params", "m", *leaf.split(".")] if leaf in _PARAM_LEAVES else leaf.split("."))
+
+    def bad(s: TensorDictBase, b: Any) -> tuple[TensorDictBase, TensorDictBase]:
+        out = good(s, b)
+        s.get(path).add_(1)
+        return out
+
+    name = re.escape(".".join(path))
+    with pytest.raises(
+        AssertionError, match=rf"input state after step.*first difference at {name}"
+    ):
+        testing.assert_pure(bad, state, _batch(0))
+    testing.assert_pure(good, state, _batch(0))
+
+
+def test_assert_pure_names_a_key_added_to_the_batch() -> None:
+    """A step that adds a key to its batch is reported with the key."""
+
+    def bad(s: TensorDictBase, b: TensorDictBase) -> tuple[TensorDictBase, TensorDictBase]:
+        b["extra"] = torch.zeros(4)
+        return s.clone(), TensorDict({}, [])
+
+    with pytest.raises(
+        AssertionError, match=r"input batch after step.*only in actual: \['extra'\]"
+    ):
+        testing.assert_pure(bad, _setup()[3], _batch(0))
+
+
+def test_assert_pure_names_the_module_tensor_a_step_changed() -> None:
+    """A step that writes into a module it runs (or one passed in modules=) names module and tensor."""
+    net, opts, gf, state = _setup()
+    teacher = _net(1)
+
+    def through_call(s: TensorDictBase, b: Any) -> tuple[TensorDictBase, TensorDictBase]:
+        ps.call(net, s["params", "m"], b["x"])
+        with torch.no_grad():
+            net[0].bias.add_(1)
+        return s.clone(), TensorDict({}, [])
+
+    def direct(s: TensorDictBase, b: Any) -> tuple[TensorDictBase, TensorDictBase]:
+        with torch.no_grad():
+            teacher[2].weight.mul_(2)
+        return s.clone(), TensorDict({}, [])
+
+    with pytest.raises(AssertionError, match=r"0\.bias"):
+        testing.assert_pure(through_call, state, _batch(0))
+    with pytest.raises(AssertionError, match=r"2\.weight"):
+        testing.assert_pure(direct, state, _batch(0), modules=[teacher])
+    testing.assert_pure(ps.train_step(gf, opts), state, _batch(0), modules=[net, teacher])
+
+
+def test_assert_pure_on_a_donated_step_names_donation_as_the_cause() -> None:
+    """A donate=True step fails purity by design; the message says so and what to check instead."""
+    _, opts, gf, state = _setup()
+    with pytest.raises(AssertionError, match=r"donates its input \(donate=True\).*donate=False"):
+        testing.assert_pure(ps.train_step(gf, opts, donate=True), state, _batch(0))
+    testing.assert_pure(ps.train_step(gf, opts, donate=False), state, _batch(0))
+
+
+def test_assert_pure_on_a_mutating_plain_function_mentions_donation_as_a_possibility() -> None:
+    """A step of unknown donation that writes its input: the message mentions donate=True."""
+
+    def bad(s: TensorDictBase, b: Any) -> tuple[TensorDictBase, TensorDictBase]:
+        s["step"].add_(1)
+        return s, TensorDict({}, [])
+
+    with pytest.raises(AssertionError, match=r"at step.*If the step donates its input"):
+        testing.assert_pure(bad, _setup()[3], _batch(0))
+
+
+# --- global RNG: every check names it ---------------------------------------------------------
+
+
+class _LabelDrop(nn.Module):
+    """Like a diffusers model in train mode: drops rows with ``torch.rand`` (the global RNG)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        keep = (torch.rand(x.shape[0], 1) > 0.5).to(x.dtype) if self.training else 1.0
+        return self.lin(x * keep)
+
+
+def _global_rng_setup() -> tuple[Callable[[int], StepFn], TensorDict]:
+    net = _LabelDrop()
+    opts = {"m": optim.sgd(0.1)}
+
+    def loss(p: TensorDictBase, b: TensorDictBase, key: torch.Tensor) -> Any:
+        return ((ps.call(net, p["m"], b["x"]) - b["y"]) ** 2).mean(), {}
+
+    gf = ps.value_and_grad(loss)
+    return (lambda k: ps.train_step(ps.accumulate(gf, k), opts)), ps.init_state(
+        {"m": net}, opts, seed=0
+    )
+
+
+_GLOBAL = r"drew from torch's global RNG.*pass key= to purestep\.call"
+
+
+def _during(where: str) -> str:
+    return rf"drew from torch's global RNG \(its state changed during {where}.*pass key= to purestep\.call"
+
+
+def test_every_check_names_global_rng_consumption_as_the_cause() -> None:
+    """A module drawing from torch.rand (train-mode label dropout): each check says so."""
+    make, state = _global_rng_setup()
+    step = make(1)
+    batches = [_batch(i) for i in range(3)]
+    with pytest.raises(
+        AssertionError,
+        match=r"drew from torch's global RNG: its state changed during the first call",
+    ):
+        testing.assert_pure(step, state, batches[0])
+    with pytest.raises(
+        AssertionError,
+        match=_during(r"step 0 of run 1 \(the cpu generator\) and 5 more step calls"),
+    ):
+        testing.assert_deterministic(step, state, batches)
+    with pytest.raises(AssertionError, match=_during("step 0 of the donate=False run")):
+        testing.assert_donation_safe(lambda d: step, state, batches)
+    with pytest.raises(AssertionError, match=_during("step 0 with k=1")):
+        testing.assert_accumulation_invariant(make, state, batches)
+    with pytest.raises(AssertionError, match=_during("step 0 of k=1")):
+        testing.assert_accumulation_invariant(make, state, batches, compare="state")
+    with pytest.raises(AssertionError, match=_during("step 0 of the uninterrupted run")):
+        testing.assert_resume_exact(step, state, batches, save_at=1)
+    watch = RngWatch()
+    testing_steps.run_watched(step, state, batches[1:], watch, "the resumed run", 1)
+    assert watch.consumed == [f"step {i} of the resumed run (the cpu generator)" for i in (1, 2)]
+    with pytest.raises(
+        AssertionError, match=rf"cadence: role 'm' changed at step 1.*{_during('step 0')}"
+    ):
+        testing.assert_cadence(step, state, batches, "m", 2)
+
+
+def test_a_key_seeded_call_is_not_reported_as_global_rng_use() -> None:
+    """call(..., key=) seeds and restores the global generators: no check reports it."""
+    net = _LabelDrop()
+    opts = {"m": optim.sgd(0.1)}
+
+    def loss(p: TensorDictBase, b: TensorDictBase, key: torch.Tensor) -> Any:
+        return ((ps.call(net, p["m"], b["x"], key=key) - b["y"]) ** 2).mean(), {}
+
+    step = ps.train_step(ps.value_and_grad(loss), opts)
+    state = ps.init_state({"m": net}, opts, seed=0)
+    batches = [_batch(i) for i in range(3)]
+    testing.assert_pure(step, state, batches[0])
+    testing.assert_deterministic(step, state, batches)
+    testing.assert_resume_exact(step, state, batches, save_at=1)
+
+
+def test_rng_watch_notes_only_the_calls_that_drew() -> None:
+    """RngWatch names the calls that changed a global generator's state, and only those."""
+    w = RngWatch()
+    w.call("a", torch.zeros, 2)
+    w.call("b", torch.rand, 2)
+    w.call("c", torch.ones, 1)
+    assert w.consumed == ["b (the cpu generator)"]
+    assert "b (the cpu generator)" in w.hint()
+    assert RngWatch().hint() == ""
+    assert "(its state changed during b (the cpu generator))" in w.hint()
+    w.call("d", torch.rand, 1)
+    assert "during b (the cpu generator) and 1 more step call)" in w.hint()
+    w.call("e", torch.rand, 1)
+    assert "during b (the cpu generator) and 2 more step calls)" in w.hint()
+    assert "cpu" in global_rng_states()
+
+
+# --- assert_deterministic, assert_donation_safe ------------------------------------------------
+
+
+@settings(max_examples=8, deadline=None)
+@given(leaf=st.sampled_from(_PARAM_LEAVES))
+def test_assert_deterministic_names_the_leaf_and_run_of_a_hidden_counter(leaf: str) -> None:
+    """A step whose result depends on how often it ran names the state leaf it changed (last step)."""
+    _, opts, gf, state = _setup()
+    good = ps.train_step(gf, opts)
+    calls = [0]
+
+    def bad(s: TensorDictBase, b: Any) -> tuple[TensorDictBase, TensorDictBase]:
+        out, m = good(s, b)
+        calls[0] += 1
+        if calls[0] == 6:  # the last step of the second run
+            out["params", "m", *leaf.split(".")] = out["params", "m", *leaf.split(".")] + 1e-3
+        return out, m
+
+    with pytest.raises(AssertionError, match=rf"run 2 vs run 1.*params\.m\.{re.escape(leaf)}"):
+        testing.assert_deterministic(bad, state, [_batch(i) for i in range(3)])
+    testing.assert_deterministic(good, state, [_batch(i) for i in range(3)])
+
+
+def test_assert_donation_safe_names_an_input_written_by_the_donate_false_build() -> None:
+    """make_step(False) writing into its input fails, naming the leaf."""
+    _, opts, gf, state = _setup()
+
+    def make(donate: bool) -> StepFn:
+        inner = ps.train_step(gf, opts, donate=donate)
+
+        def step(s: TensorDictBase, b: Any) -> tuple[TensorDictBase, TensorDictBase]:
+            out = inner(s, b)
+            s["params", "m", "2", "bias"].zero_()
+            return out
+
+        return step if not donate else inner
+
+    with pytest.raises(
+        AssertionError, match=r"input state of the donate=False run.*params\.m\.2\.bias"
+    ):
+        testing.assert_donation_safe(make, state, [_batch(0)])
+    testing.assert_donation_safe(lambda d: ps.train_step(gf, opts, donate=d), state, [_batch(0)])
+
+
+def test_assert_donation_safe_names_a_differing_metric() -> None:
+    """Equal states but a metric that differs with donation: the metric is named."""
+    _, opts, gf, state = _setup()
+
+    def make(donate: bool) -> StepFn:
+        inner = ps.train_step(gf, opts, donate=donate)
+
+        def step(s: TensorDictBase, b: Any) -> tuple[TensorDictBase, TensorDictBase]:
+            out, m = inner(s, b)
+            m["loss"] = m["loss"] + (1.0 if donate else 0.0)
+            return out, m
+
+        return step
+
+    with pytest.raises(AssertionError, match=r"metrics of step 0 with donate=True.*loss"):
+        testing.assert_donation_safe(make, state, [_batch(0)])
+
+
+# --- assert_accumulation_invariant ----------------------------------------------------------
+
+
+class _SoftmaxBias(nn.Module):
+    """softmax(x W + b) with a scalar b: the true gradient of b is exactly zero (like a key bias)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.w = nn.Parameter(torch.randn(4, 8, generator=g))
+        self.b = nn.Parameter(torch.zeros(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(x @ self.w + self.b, -1)
+
+
+def test_accumulation_invariance_compares_gradients_so_adam_noise_on_zero_gradients_passes() -> (
+    None
+):
+    """Adam on a leaf with zero true gradient: gradients agree, so the default check passes.
+
+    Adam scales that leaf's rounding noise up to about lr, which comparing the
+    states after the optimizer (the old default) reported as a failure.
+    """
+    net = _SoftmaxBias()
+    opts = {"m": optim.adamw(1e-2)}
+
+    def loss(p: TensorDictBase, b: TensorDictBase, key: torch.Tensor) -> Any:
+        return ((ps.call(net, p["m"], b["x"]) - b["y"]) ** 2).mean(), {}
+
+    gf = ps.value_and_grad(loss)
+    g = torch.Generator().manual_seed(1)
+    batch = {"x": torch.randn(16, 4, generator=g), "y": torch.rand(16, 8, generator=g)}
+    state = ps.init_state({"m": net}, opts, seed=0)
+    testing.assert_accumulation_invariant(
+        lambda k: ps.train_step(ps.accumulate(gf, k), opts), state, [batch] * 3
+    )
+
+
+@settings(max_examples=10, deadline=None)
+@given(
+    bad=st.sets(st.sampled_from(_PARAM_LEAVES), min_size=1),
+    compare=st.sampled_from(["grads", "state"]),
+)
+def test_accumulation_invariance_lists_every_leaf_whose_gradient_depends_on_k(
+    bad: set[str], compare: str
+) -> None:
+    """Gradients of the chosen leaves scaled by k: every one of them (and only those) is named."""
+    _, opts, gf, state = _setup(optim.sgd(0.1))
+    order = [n for n in _PARAM_LEAVES if n in bad]
+
+    def make(k: int) -> StepFn:
+        inner = ps.accumulate(gf, k)
+
+        def grad_fn(params: Any, batch: Any, key: Any, **kw: Any) -> Any:
+            grads, metrics = inner(params, batch, key, **kw)
+            for n in order:
+                path = ("m", *n.split("."))
+                grads.set(path, grads.get(path) * k)
+            return grads, metrics
+
+        return ps.train_step(grad_fn, opts)
+
+    # by state, a changed param changes every later gradient: one batch; by gradients, two
+    seq = [_batch(0), _batch(1)] if compare == "grads" else [_batch(0)]
+    with pytest.raises(AssertionError) as info:
+        testing.assert_accumulation_invariant(make, state, seq, compare=compare)  # type: ignore[arg-type]
+    msg = str(info.value)
+    named = set(re.findall(r"m\.(\d\.(?:weight|bias))", msg))
+    assert named == bad, msg
+    assert "k=2 vs k=1" in msg and "k=4 vs k=1" in msg
+    testing.assert_accumulation_invariant(
+        lambda k: ps.train_step(ps.accumulate(gf, k), opts), state, [_batch(0), _batch(1)]
+    )
+
+
+def test_accumulation_invariance_by_gradients_refuses_a_step_it_cannot_read() -> None:
+    """A plain function has no optimizers to record: TypeError pointing to compare='state'."""
+    state = _setup()[3]
+    with pytest.raises(TypeError, match="compare='state'"):
+        testing.assert_accumulation_invariant(
+            lambda k: lambda s, b: (s, TensorDict({}, [])), state, _batch(0)
+        )
+
+
+def test_accumulation_invariance_by_gradients_through_with_ema_and_skip_nonfinite() -> None:
+    """Wrapped steps are read through their wrappers; a k-dependent loss is still caught."""
+    net, opts, gf, state = _setup()
+
+    def sum_loss(p: TensorDictBase, b: TensorDictBase, key: torch.Tensor) -> Any:
+        return ((ps.call(net, p["m"], b["x"]) - b["y"]) ** 2).sum(), {}
+
+    def wrap(g: Any) -> Callable[[int], Any]:
+        return lambda k: ps.with_ema(
+            ps.skip_nonfinite(ps.train_step(ps.accumulate(g, k), opts)), 0.9, ["m"]
+        )
+
+    testing.assert_accumulation_invariant(wrap(gf), state, [_batch(0), _batch(1)])
+    with pytest.raises(AssertionError, match=r"gradients at step 0 with k=2 vs k=1"):
+        testing.assert_accumulation_invariant(
+            wrap(ps.value_and_grad(sum_loss)), state, [_batch(0), _batch(1)]
+        )
+
+
+# --- assert_resume_exact: a lossy save/load pair ---------------------------------------------
+
+_RESUME_LEAVES = [
+    *(("params", "m", *n.split(".")) for n in _PARAM_LEAVES),
+    ("opt_state", "m", "mu", "0", "weight"),
+    ("opt_state", "m", "nu", "2", "bias"),
+    ("step",),
+]
+
+
+@settings(max_examples=16, deadline=None)
+@given(
+    leaf=st.sampled_from(_RESUME_LEAVES),
+    donate=st.booleans(),
+    save_at=st.integers(1, 2),
+)
+def test_assert_resume_exact_catches_a_lossy_load_naming_the_leaf(
+    leaf: tuple[str, ...], donate: bool, save_at: int
+) -> None:
+    """A load_fn that perturbs one leaf (params, moments, step) fails, naming that leaf.
+
+    The checker must resume from what load_fn returned, not from the state it saved.
+    (opt_state.lr is left out: it is recomputed at the next update, so a perturbed lr
+    is legitimately invisible.)
+    """
+    _, opts, gf, state = _setup()
+    step = ps.train_step(gf, opts, donate=donate)
+    saved: dict[str, TensorDict] = {}
+
+    def save(s: TensorDictBase, path: str) -> None:
+        saved[path] = s.clone()
+
+    def lossy_load(path: str, like: TensorDictBase) -> TensorDictBase:
+        out = saved[path].clone()
+        t = out.get(leaf)
+        out.set(leaf, t + 1 if not t.is_floating_point() else t * 1.01 + 1e-3)
+        return out
+
+    def exact_load(path: str, like: TensorDictBase) -> TensorDictBase:
+        return saved[path].clone()
+
+    batches = [_batch(i) for i in range(3)]
+    name = re.escape(".".join(leaf))
+    with pytest.raises(
+        AssertionError, match=rf"load_fn differs from the saved one at {name}: .* lossy"
+    ):
+        testing.assert_resume_exact(
+            step, state, batches, save_at=save_at, save_fn=save, load_fn=lossy_load
+        )
+    testing.assert_resume_exact(
+        step, state, batches, save_at=save_at, save_fn=save, load_fn=exact_load
+    )
+
+
+def test_assert_resume_exact_names_a_load_that_drops_a_key() -> None:
+    """A load_fn that returns a different key structure is named as not the saved state."""
+    _, opts, gf, state = _setup()
+    saved: dict[str, TensorDict] = {}
+
+    def save(s: TensorDictBase, path: str) -> None:
+        saved[path] = s.clone()
+
+    def load(path: str, like: TensorDictBase) -> TensorDictBase:
+        out = saved[path].clone()
+        out["extra"] = torch.zeros(())
+        return out
+
+    with pytest.raises(AssertionError, match="not the saved one"):
+        testing.assert_resume_exact(
+            ps.train_step(gf, opts),
+            state,
+            [_batch(i) for i in range(3)],
+            save_at=1,
+            save_fn=save,
+            load_fn=load,
+        )
+
+
+def test_assert_resume_exact_with_the_default_torch_save_round_trip_passes() -> None:
+    """The default save/load (torch.save) is exact for a train_step."""
+    _, opts, gf, state = _setup()
+    testing.assert_resume_exact(ps.train_step(gf, opts), state, [_batch(i) for i in range(3)], 1)
+
+
+# --- assert_cadence ------------------------------------------------------------------------
+
+
+@settings(max_examples=6, deadline=None)
+@given(every=st.integers(1, 3), wrong=st.integers(1, 3))
+def test_assert_cadence_passes_the_right_every_and_fails_a_wrong_one(
+    every: int, wrong: int
+) -> None:
+    """train_step(every={"m": e}) passes assert_cadence(e) and fails for any other cadence."""
+    _, opts, gf, state = _setup()
+    step = ps.train_step(gf, opts, every={"m": every})
+    batches = [_batch(i) for i in range(4)]
+    testing.assert_cadence(step, state, batches, "m", every)
+    if wrong != every:
+        with pytest.raises(
+            AssertionError, match=r"cadence: role 'm' (should update|changed) at step"
+        ):
+            testing.assert_cadence(step, state, batches, "m", wrong)
+
+
+def test_run_steps_threads_the_state_and_returns_every_metric() -> None:
+    """run_steps calls the step once per batch in order, feeding each output state to the next."""
+    seen: list[float] = []
+
+    def step(s: TensorDictBase, b: Any) -> tuple[TensorDictBase, TensorDictBase]:
+        seen.append(float(b["x"]))
+        return s.apply(lambda t: t + b["x"]), TensorDict({"v": s["w"].clone()}, [])
+
+    final, metrics = testing.run_steps(
+        step,
+        TensorDict({"w": torch.zeros(())}, []),
+        [{"x": torch.tensor(float(i))} for i in (1, 2, 3)],
+    )
+    assert seen == [1.0, 2.0, 3.0]
+    assert float(final["w"]) == 6.0
+    assert [float(m["v"]) for m in metrics] == [0.0, 1.0, 3.0]
+
+
+class _NeedsPrepare:
+    """A step that needs a key its ``prepare`` adds (like with_ema's EMA or skip_nonfinite's counters)."""
+
+    def prepare(self, state: TensorDictBase) -> TensorDictBase:
+        out = state.clone()
+        out["extra"] = torch.ones(())
+        return out
+
+    def __call__(self, s: TensorDictBase, b: Any) -> tuple[TensorDictBase, TensorDictBase]:
+        out = s.clone()
+        out["params", "m", "w"] = s["params", "m", "w"] * s["extra"] + 1
+        out["step"] = s["step"] + 1
+        return out, TensorDict({}, [])
+
+
+def test_every_check_runs_the_steps_prepare_first() -> None:
+    """Each check calls step.prepare(state) before the first step (the step fails without it)."""
+    state = TensorDict(
+        {"params": {"m": {"w": torch.zeros(2)}}, "step": torch.zeros((), dtype=torch.int64)}, []
+    )
+    step = _NeedsPrepare()
+    batches = [{"x": torch.ones(1)}] * 3
+    with pytest.raises(KeyError):
+        step(state, batches[0])
+    testing.assert_pure(step, state, batches[0])
+    testing.assert_deterministic(step, state, batches)
+    testing.assert_donation_safe(lambda d: step, state, batches)
+    testing.assert_resume_exact(step, state, batches, save_at=1)
+    testing.assert_cadence(step, state, batches, "m", 1)
+    testing.assert_accumulation_invariant(lambda k: step, state, batches, compare="state")
