@@ -129,7 +129,7 @@ from purestep.methods import flow
 from purestep.optim import Transform
 from purestep.state import ParamSource, params_of
 from purestep.state import init_state as _init_state
-from purestep.step import Batch, LossFn, TrainStep, accumulate, train_step, value_and_grad
+from purestep.step import Batch, LossFn, Step, accumulate, train_step, value_and_grad
 from purestep.step._batch import as_batch, batch_size, with_index
 
 __all__ = [
@@ -620,7 +620,7 @@ class NFTStep:
 
     model: nn.Module
     reward_fn: RewardFn
-    inner: TrainStep
+    inner: Step
     config: NFTConfig
     group_size: int
     sample_steps: int
@@ -630,6 +630,19 @@ class NFTStep:
     minibatch_size: int | None
     decay: DecayLike
     donate: bool
+
+    def map_inner(self, fn: Callable[[Step], Step]) -> NFTStep:
+        """This step with its inner train step replaced by ``fn(inner)`` (``purestep.compile`` uses it).
+
+        Example:
+            >>> import purestep as ps
+            >>> from torch import nn
+            >>> s = make_step(nn.Linear(1, 1), lambda x, c: x[:, 0], ps.optim.sgd(0.1),
+            ...               reference_params=None, sample_shape=(1,), config=NFTConfig(kl_weight=0.0))
+            >>> s.map_inner(lambda inner: inner).inner is s.inner
+            True
+        """
+        return attrs.evolve(self, inner=fn(self.inner))
 
     def prepare(self, state: TensorDictBase) -> TensorDict:
         """Check the roles and add ``extra["inner_step"] = 0`` when missing."""
