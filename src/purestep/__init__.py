@@ -18,6 +18,7 @@ Example:
 """
 
 from purestep import checkpoint, loop, optim, rng, tree
+from purestep.compile import CompiledStep, CompileStats, compile
 from purestep.state import buffers_of, init_state, params_of, roles, variables
 from purestep.step import (
     EMAStep,
@@ -39,6 +40,8 @@ from purestep.step import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "CompileStats",
+    "CompiledStep",
     "EMAStep",
     "NonFiniteError",
     "Step",
@@ -50,6 +53,7 @@ __all__ = [
     "call",
     "call_scope",
     "checkpoint",
+    "compile",
     "current_microbatch",
     "init_state",
     "live_roles",
