@@ -114,3 +114,60 @@ def batches(n: int, b: int = 6, seed: int = 0, nan_at: int | None = None) -> lis
             y[0, 0] = float("nan")
         out.append(TensorDict({"x": torch.randn(b, 3, generator=g), "y": y}, batch_size=[b]))
     return out
+
+
+class BNNet(nn.Module):
+    """Linear -> BatchNorm1d -> tanh -> Linear: buffers (running stats) updated by the forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(3)
+        self.inp = nn.Linear(3, 6)
+        self.bn = nn.BatchNorm1d(6)
+        self.out = nn.Linear(6, 2)
+        with torch.no_grad():
+            for p in (self.inp.weight, self.out.weight):
+                p.copy_(0.5 * torch.randn(p.shape, generator=g))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.bn(self.inp(x))))  # type: ignore[no-any-return]
+
+
+class Renorm(nn.Module):
+    """``nn.Embedding(max_norm=...)`` renormalises looked-up rows of its weight in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(5)
+        self.emb = nn.Embedding(10, 6, max_norm=0.5)
+        self.out = nn.Linear(6, 2)
+        with torch.no_grad():
+            self.emb.weight.copy_(3.0 * torch.randn(10, 6, generator=g))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.out(self.emb(ids))  # type: ignore[no-any-return]
+
+
+def module_step(
+    net: nn.Module,
+    opt: str,
+    *,
+    donate: bool = False,
+    k: int = 1,
+    ema_buffers: bool = False,
+    skip: bool = False,
+) -> Any:
+    """A one-role step over ``net`` (input ``batch["x"]``, MSE to ``batch["y"]``)."""
+
+    def loss(params: TensorDictBase, batch: TensorDictBase, key: torch.Tensor) -> Any:
+        return ((ps.call(net, params["m"], batch["x"]) - batch["y"]) ** 2).mean(), {}
+
+    gf = ps.value_and_grad(loss)
+    if k > 1:
+        gf = ps.accumulate(gf, k)
+    step: Any = ps.train_step(gf, {"m": OPTIMIZERS[opt]()}, donate=donate)
+    if ema_buffers:
+        step = ps.with_ema(step, 0.8, ["m"], buffers=True)
+    if skip:
+        step = ps.skip_nonfinite(step)
+    return step

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 from tensordict import TensorDict
 
@@ -70,7 +70,8 @@ config = st.fixed_dictionaries(
 )
 
 
-@settings(max_examples=5, deadline=None)
+# no shrinking: each example traces up to ~8 graphs, and the failing config is printed anyway
+@settings(max_examples=5, deadline=None, phases=[Phase.explicit, Phase.reuse, Phase.generate])
 @given(cfg=config)
 def test_compiled_step_equals_eager_step_bitwise_for_every_composition(cfg: dict[str, Any]) -> None:
     """Traced with ``backend="eager"``, any composition's states and metrics equal the eager step's, bit for bit.
@@ -101,7 +102,7 @@ def test_tensor_lr_kernels_equal_the_float_lr_kernels() -> None:
             step = torch.tensor(3.0)
             fused(p, gr, m1, v1, [], [step] * 2, lr=lr, beta1=0.9, beta2=0.99,
                   weight_decay=0.1, eps=1e-8, amsgrad=False, maximize=False)  # fmt: skip
-            fused_adam_(p2, gr, m2, v2, [], torch.tensor(lr, dtype=torch.float64), step,
+            fused_adam_(p2, gr, m2, v2, [], [step] * 2, torch.tensor(lr, dtype=torch.float64),
                         0.9, 0.99, 0.1, 1e-8, False, decoupled)  # fmt: skip
             for a, b in zip(p + m1 + v1, p2 + m2 + v2, strict=True):
                 assert torch.equal(a, b)
@@ -231,6 +232,13 @@ def test_errors_name_the_problem() -> None:
     ):
         step(ps.init_state({"a": net}, opt, seed=0), batches(1)[0])
 
+    def keyed_dropout(params: Any, batch: Any, key: Any) -> Any:
+        return ps.call(net, params["a"], batch["x"], key=key).pow(2).mean(), {}
+
+    step = ps.compile(ps.train_step(ps.value_and_grad(keyed_dropout), opt), **EAGER)
+    with pytest.raises(TraceError, match=r"call\(\.\.\., key=\) seeds torch's generator"):
+        step(ps.init_state({"a": net}, opt, seed=0), batches(1)[0])
+
 
 # ----------------------------------------------------------------------------- inductor
 
@@ -302,3 +310,31 @@ def test_whole_step_graph_is_skipped_with_a_reason() -> None:
     for (step, why), opt in zip(cases, ("adamw_schedule", "lion", "sgd"), strict=True):
         step(make_state({"a": opt}), b)
         assert any(why in r for r in step.stats().cudagraph_skipped), step.stats().cudagraph_skipped
+
+
+@pytest.mark.parametrize("donate", [False, True])
+def test_buffers_and_params_written_by_the_forward_equal_eager(donate: bool) -> None:
+    """BatchNorm buffers in state (with their EMA) and an Embedding(max_norm) writing its weight: eager's bits.
+
+    Also with skip_nonfinite (the buffers and written params cross from the first
+    graph to the second on the host) and accumulation.
+    """
+    from _compile_cases import BNNet, Renorm, module_step
+
+    g = torch.Generator().manual_seed(0)
+    bn_batches = [
+        TensorDict({"x": torch.randn(8, 3, generator=g), "y": torch.randn(8, 2, generator=g)}, [8])
+        for _ in range(3)
+    ]
+    ids_batches = [
+        TensorDict(
+            {"x": torch.randint(0, 10, (6,), generator=g), "y": torch.randn(6, 2, generator=g)}, [6]
+        )
+        for _ in range(3)
+    ]
+    for net, bs in ((BNNet(), bn_batches), (Renorm(), ids_batches)):
+        opt = {"m": OPTIMIZERS["adamw_schedule"]()}
+        state = ps.init_state({"m": net}, opt, seed=0)
+        for kw in ({"ema_buffers": isinstance(net, BNNet), "k": 2}, {"skip": True}):
+            make = lambda kw=kw, net=net: module_step(net, "adamw_schedule", donate=donate, **kw)  # noqa: E731
+            _assert_same_run(ps.compile(make(), **EAGER), make(), state, bs)

@@ -2,16 +2,17 @@
 
 Two kinds of *plan*:
 
-* :class:`FusedPlan` for ``adam``, ``adamw`` and ``sgd`` (also after
-  ``clip_by_global_norm`` heads in a ``chain``): the eager step's fused kernel
-  (``torch._fused_adam(w)_`` / ``_fused_sgd_``) called from inside the graph
-  with the learning rate and Adam's step as 0-dim tensor inputs, which the
-  host computes each call from the CPU ``count`` exactly as the eager step
-  does (``lr = schedule(count)``). The kernels' tensor-lr overloads give the
-  same bits as the float ones (checked by the tests), so the update equals the
-  eager one. The clip heads' ``update`` is traced as is (it has no host read).
-  No Python runs per leaf, and with device scalars the kernels can be captured
-  in a CUDA graph.
+* :class:`FusedPlan` for ``adam``, ``adamw`` and ``sgd`` without dampening
+  (also after ``clip_by_global_norm`` heads in a ``chain``), over dense params
+  of one device: the eager step's fused kernel (``torch._fused_adam(w)_`` /
+  ``_fused_sgd_``) called from inside the graph with the learning rate as a
+  0-dim tensor input, which the host computes each call from the CPU ``count``
+  exactly as the eager step does (``lr = schedule(count)``); Adam's
+  per-parameter step counts are state tensors on the params' device. The
+  kernels' tensor-lr overloads give the same bits as the float ones (checked
+  by the tests), so the update equals the eager one. The clip heads' ``update``
+  is traced as is (it has no host read). No Python runs per leaf, and with
+  device scalars the kernels can be captured in a CUDA graph.
 * :class:`OpaquePlan` for every other transform (``lion``,
   ``scale_by_schedule``, user transforms): the transform's own donated
   ``step`` inside the opaque op of ``_ops`` (~1 µs of Python per leaf; not
@@ -25,6 +26,7 @@ momentum buffer); ``apply`` runs in the traced core.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, Protocol
 
@@ -107,46 +109,60 @@ class OpaquePlan:
         return params, opt
 
 
-def _lr_at(lr: Any, count: int) -> float:
-    return float(lr(count)) if callable(lr) else float(lr)
+def _lr_at(lr: Any, count: int, who: str) -> float:
+    """The learning rate of update ``count``, refused as the eager optimizers refuse it."""
+    try:
+        x = float(lr(count)) if callable(lr) else float(lr)
+    except (TypeError, ValueError, OverflowError) as e:
+        raise ValueError(f"{who}: the learning-rate schedule failed at update {count}: {e}") from e
+    if not math.isfinite(x) or x < 0:
+        raise ValueError(
+            f"{who}: the learning rate at update {count} is {x!r}; it must be finite and >= 0 "
+            "(check the schedule)"
+        )
+    return x
 
 
 @attrs.frozen
 class FusedPlan:
-    """A fused Adam(W)/SGD step with tensor scalars, after optional clip heads.
+    """A fused Adam(W)/SGD step with a tensor learning rate, after optional clip heads.
 
     Attributes:
         hp: the last transform's hyperparameters (:class:`AdamHParams` / :class:`SGDHParams`).
+        name: the last transform's name (errors).
         clips: ``(transform, norm leaf index)`` of each clip head, in order.
         count: index of the kernel's ``count`` leaf in the opt-state leaves.
         lr: index of its ``lr`` leaf.
-        moments: ``{key: leaf indices}`` of its moment trees (``mu``, ``nu``,
-            ``nu_max``, ``momentum_buffer``).
-        device: where the scalar inputs live (the params' device).
+        moments: ``{key: leaf indices}`` of its per-parameter trees (``mu``, ``nu``,
+            ``nu_max``, ``steps``, ``momentum_buffer``).
+        device: where the learning-rate input lives (the params' device).
     """
 
     hp: AdamHParams | SGDHParams
+    name: str
     clips: tuple[tuple[Transform, int], ...]
     count: int
     lr: int
     moments: dict[str, tuple[int, ...]]
     device: torch.device
-    capturable: bool = True
+
+    @property
+    def capturable(self) -> bool:
+        """Yes: the learning rate and Adam's step counts are device tensors."""
+        return True
 
     def host(self, opt_leaves: Sequence[torch.Tensor]) -> HostScalars:
-        """``lr(count)`` (and Adam's ``count + 1``) as inputs; new ``count`` and ``lr`` leaves."""
+        """``lr(count)`` as an input; the new ``count`` and ``lr`` leaves (SGD: first-update flag)."""
         n = int(opt_leaves[self.count])
-        lr = _lr_at(self.hp.lr, n)
+        lr = _lr_at(self.hp.lr, n, self.name)
         replace = (
             (self.count, torch.tensor(n + 1, dtype=torch.int64)),
             (self.lr, torch.tensor(lr, dtype=torch.float64)),
         )
         lr_t = torch.tensor(lr, dtype=torch.float64, device=self.device)
         if isinstance(self.hp, AdamHParams):
-            step_t = torch.tensor(float(n + 1), dtype=torch.float32, device=self.device)
-            return HostScalars((lr_t, step_t), replace, ())
-        first = n == 0 and self.hp.momentum != 0
-        return HostScalars((lr_t,), replace, first)
+            return HostScalars((lr_t,), replace, ())
+        return HostScalars((lr_t,), replace, n == 0 and self.hp.momentum != 0)
 
     def apply(
         self,
@@ -170,7 +186,15 @@ class FusedPlan:
             params = [t.clone() for t in params]
         moments: dict[str, list[torch.Tensor]] = {}
         for k, idx in self.moments.items():
-            ms = [opt[i] if donate else opt[i].clone() for i in idx]
+            if k == "steps":  # per-parameter step counts, counting this update
+                old = [opt[i] for i in idx]
+                if donate:
+                    torch._foreach_add_(old, 1.0)
+                    ms = old
+                else:
+                    ms = list(torch._foreach_add(old, 1.0))
+            else:
+                ms = [opt[i] if donate else opt[i].clone() for i in idx]
             for i, m in zip(idx, ms, strict=True):
                 opt[i] = m
             moments[k] = ms
@@ -182,8 +206,8 @@ class FusedPlan:
                 moments["mu"],
                 moments["nu"],
                 moments.get("nu_max", []),
+                moments["steps"],
                 scalars[0],
-                scalars[1],
                 hp.betas[0],
                 hp.betas[1],
                 hp.weight_decay,
@@ -206,6 +230,19 @@ class FusedPlan:
         return params, opt
 
 
+def _is_dense(t: torch.Tensor) -> bool:
+    """Elements fill the memory without gaps or overlaps (what fused kernels walk)."""
+    if t.is_contiguous():
+        return True
+    dims = sorted((st, n) for st, n in zip(t.stride(), t.shape, strict=True) if n != 1)
+    expected = 1
+    for stride, size in dims:
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
 def _fusable(params: Sequence[torch.Tensor], kind: str) -> torch.device | None:
     devices = {t.device for t in params}
     if not params or len(devices) != 1:
@@ -216,8 +253,8 @@ def _fusable(params: Sequence[torch.Tensor], kind: str) -> torch.device | None:
     for t in params:
         if type(t) is not torch.Tensor and not isinstance(t, torch._subclasses.FakeTensor):
             return None  # DTensor and other subclasses: the opaque op
-        if t.dtype not in _FUSED_DTYPES:
-            return None
+        if t.dtype not in _FUSED_DTYPES or not _is_dense(t):
+            return None  # the eager kernels take their foreach path there
         # torch <= 2.13's CPU _fused_sgd_ is wrong for fp16/bf16 (pytorch/pytorch#191763);
         # the eager sgd falls back to foreach there, and so does the opaque op
         if kind == "sgd" and device.type == "cpu" and t.dtype in _HALF:
@@ -259,15 +296,21 @@ def plan_for(
         count, lr = index[(*prefix, "count")], index[(*prefix, "lr")]
     except KeyError:
         return OpaquePlan(handle)
-    keys = ("mu", "nu", "nu_max") if kind == "adam" else ("momentum_buffer",)
+    keys = ("mu", "nu", "nu_max", "steps") if kind == "adam" else ("momentum_buffer", "steps")
+    n = len(prefix) + 1
     moments = {
-        k: tuple(i for p, i in index.items() if p[: len(prefix) + 1] == (*prefix, k))
+        k: tuple(i for p, i in index.items() if p[:n] == (*prefix, k))
         for k in keys
-        if any(p[: len(prefix) + 1] == (*prefix, k) for p in index)
+        if any(p[:n] == (*prefix, k) for p in index)
     }
     if any(len(v) != len(params) for v in moments.values()):
         return OpaquePlan(handle)
-    return FusedPlan(hp, clips, count, lr, moments, device)
+    if (kind == "adam") != ("steps" in moments):
+        return OpaquePlan(handle)  # Adam keeps step counts; SGD only with dampening (host reads)
+    leaves = tree.leaves(opt_state)
+    if kind == "adam" and any(leaves[i].device != device for i in moments["steps"]):
+        return OpaquePlan(handle)  # step counts on the host: the foreach path
+    return FusedPlan(hp, last.name, clips, count, lr, moments, device)
 
 
 # ----------------------------------------------------------------------------- ops
@@ -281,14 +324,23 @@ def _pick(items: Sequence[torch.Tensor], idx: list[int]) -> list[torch.Tensor]:
     return [items[i] for i in idx] if items else []
 
 
+def _match_layout(p: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """``g`` with ``p``'s strides and dtype (fused kernels pair elements by memory offset)."""
+    if g.dtype != p.dtype:
+        g = g.to(p.dtype)
+    if g.stride() == p.stride() or (g.is_contiguous() and p.is_contiguous()):
+        return g
+    return torch.empty_like(p).copy_(g)
+
+
 def fused_adam_(
     params: list[torch.Tensor],
     grads: list[torch.Tensor],
     exp_avgs: list[torch.Tensor],
     exp_avg_sqs: list[torch.Tensor],
     max_exp_avg_sqs: list[torch.Tensor],
+    steps: list[torch.Tensor],
     lr: torch.Tensor,
-    step: torch.Tensor,
     beta1: float,
     beta2: float,
     weight_decay: float,
@@ -296,26 +348,27 @@ def fused_adam_(
     amsgrad: bool,
     decoupled: bool,
 ) -> None:
-    """``torch._fused_adam(w)_`` per (device, dtype) group with tensor ``lr`` / ``step``.
+    """``torch._fused_adam(w)_`` per (device, dtype) group with a tensor ``lr``.
+
+    ``steps`` are the per-parameter step counts (already counting this update).
 
     Example:
         >>> p, m, v = [torch.ones(2)], [torch.zeros(2)], [torch.zeros(2)]
-        >>> fused_adam_(p, [torch.ones(2)], m, v, [], torch.tensor(0.1, dtype=torch.float64),
-        ...             torch.tensor(1.0), 0.9, 0.999, 0.0, 1e-8, False, False)
+        >>> fused_adam_(p, [torch.ones(2)], m, v, [], [torch.tensor(1.0)],
+        ...             torch.tensor(0.1, dtype=torch.float64), 0.9, 0.999, 0.0, 1e-8, False, False)
         >>> p[0]
         tensor([0.9000, 0.9000])
     """
     fused = torch._fused_adamw_ if decoupled else torch._fused_adam_
-    for (device, dtype), idx in _groups(params).items():
-        g = [x if x.dtype == dtype else x.to(dtype) for x in _pick(grads, idx)]
-        steps = step.to(device)
+    for (device, _), idx in _groups(params).items():
+        ps = _pick(params, idx)
         fused(
-            _pick(params, idx),
-            g,
+            ps,
+            [_match_layout(p, g) for p, g in zip(ps, _pick(grads, idx), strict=True)],
             _pick(exp_avgs, idx),
             _pick(exp_avg_sqs, idx),
             _pick(max_exp_avg_sqs, idx),
-            [steps] * len(idx),
+            _pick(steps, idx),
             lr=lr.to(device),
             beta1=beta1,
             beta2=beta2,
@@ -346,11 +399,11 @@ def fused_sgd_(
         >>> p[0]
         tensor([0.5000, 0.5000])
     """
-    for (device, dtype), idx in _groups(params).items():
-        g = [x if x.dtype == dtype else x.to(dtype) for x in _pick(grads, idx)]
+    for (device, _), idx in _groups(params).items():
+        ps = _pick(params, idx)
         torch._fused_sgd_(
-            _pick(params, idx),
-            g,
+            ps,
+            [_match_layout(p, g) for p, g in zip(ps, _pick(grads, idx), strict=True)],
             _pick(momentum_buffers, idx),
             weight_decay=weight_decay,
             momentum=momentum,
@@ -365,7 +418,7 @@ def fused_sgd_(
 _SCHEMAS: dict[str, tuple[str, Callable[..., None]]] = {
     "fused_adam_": (
         "(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
-        "Tensor(d!)[] max_exp_avg_sqs, Tensor lr, Tensor step, float beta1, float beta2, "
+        "Tensor(d!)[] max_exp_avg_sqs, Tensor[] steps, Tensor lr, float beta1, float beta2, "
         "float weight_decay, float eps, bool amsgrad, bool decoupled) -> ()",
         fused_adam_,
     ),

@@ -54,12 +54,15 @@ class TransformSlot:
         params: the role's params tree (structure only: leaves are ``meta`` tensors).
         opt_state: the role's optimizer state tree (structure only).
         role: the role's name, for errors.
+        grads: the grads tree's structure when it is a subset of the params (a
+            parameter no gradient reached), else ``None`` (shaped like ``params``).
     """
 
     transform: Transform
     params: TensorDictBase
     opt_state: TensorDictBase
     role: str
+    grads: TensorDictBase | None = None
 
 
 _SLOTS: dict[int, TransformSlot] = {}
@@ -73,7 +76,11 @@ def _structure(td: TensorDictBase) -> TensorDictBase:
 
 
 def register(
-    transform: Transform, params: TensorDictBase, opt_state: TensorDictBase, role: str
+    transform: Transform,
+    params: TensorDictBase,
+    opt_state: TensorDictBase,
+    role: str,
+    grads: TensorDictBase | None = None,
 ) -> int:
     """A new handle for ``transform`` over trees shaped like ``params`` / ``opt_state``.
 
@@ -85,7 +92,13 @@ def register(
         >>> h = register(opt, p, opt.init(p), "m")
         >>> release(h)
     """
-    slot = TransformSlot(transform, _structure(params), _structure(opt_state), role)
+    slot = TransformSlot(
+        transform,
+        _structure(params),
+        _structure(opt_state),
+        role,
+        None if grads is None else _structure(grads),
+    )
     with _LOCK:
         handle = _NEXT[0]
         _NEXT[0] += 1
@@ -154,8 +167,9 @@ def transform_step(
             "(the compiled step that owned it was garbage collected)"
         )
     p_td = tree.rebuild(slot.params, params)
+    g_td = tree.rebuild(slot.params if slot.grads is None else slot.grads, grads)
     new_p, new_s = slot.transform.step(
-        tree.rebuild(slot.params, grads), tree.rebuild(slot.opt_state, opt_state), p_td, donate=True
+        g_td, tree.rebuild(slot.opt_state, opt_state), p_td, donate=True
     )
     _write_back("param", slot, params, tree.leaves(new_p))
     _write_back("optimizer state", slot, opt_state, tree.leaves(new_s))

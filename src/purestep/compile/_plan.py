@@ -54,6 +54,15 @@ class Parts:
             seen.update(dict.fromkeys(layer.roles))
         return tuple(seen)
 
+    @property
+    def ema_buffer_roles(self) -> tuple[str, ...]:
+        """Every role with an EMA of its buffers (``with_ema(buffers=True)``)."""
+        seen: dict[str, None] = {}
+        for layer in self.emas:
+            if getattr(layer, "buffers", False):
+                seen.update(dict.fromkeys(layer.roles))
+        return tuple(seen)
+
 
 def decompose(step: Any) -> Parts:
     """Take apart a step built by :func:`~purestep.train_step` / ``with_ema`` / ``skip_nonfinite``.
@@ -190,11 +199,15 @@ def layout_of(
     ema_roles: Sequence[str],
     grads: dict[str, list[torch.Tensor]] | None = None,
     grads_like: dict[str, TensorDictBase] | None = None,
+    *,
+    ema_buffer_roles: Sequence[str] = (),
+    new_buffers: dict[str, TensorDictBase] | None = None,
 ) -> Layout:
     """The graph inputs of a call: all params, the due roles' optimizer states, EMAs, key, batch.
 
     With ``grads`` (the second graph of a step that skips non-finite updates),
-    each role's grads follow, shaped like ``grads_like[role]``.
+    each role's grads follow, shaped like ``grads_like[role]``, then the
+    buffers the first graph's forward produced (``new_buffers``).
 
     Example:
         >>> import torch
@@ -209,16 +222,24 @@ def layout_of(
     params = state.get("params")
     for role in params.keys():
         lay.add(("params", role), params.get(role))
+    if "buffers" in state.keys():
+        buffers = state.get("buffers")
+        for role in buffers.keys():
+            lay.add(("buffers", role), buffers.get(role))
     for role in roles:
         lay.add(("opt", role), state.get(("opt_state", role)))
     for role in ema_roles:
         lay.add(("ema", role), state.get(("ema", role)))
+    for role in ema_buffer_roles:
+        lay.add(("ema_buffers", role), state.get(("ema_buffers", role)))
     lay.add("key", key)
     lay.add("batch", batch)
     if grads is not None:
         assert grads_like is not None
         for role, g in grads.items():
             lay.add_list(("grads", role), g, grads_like[role])
+    for role, td in (new_buffers or {}).items():
+        lay.add(("new_buffers", role), td)
     return lay
 
 

@@ -16,7 +16,7 @@ from purestep.compile import _ops
 from purestep.compile._backend import Compiled, compile_graph, inductor_options
 from purestep.compile._core import OutSpec, Phase, core_fn
 from purestep.compile._cudagraph import Capturer, CudaCapturer, StepGraph, used_inputs
-from purestep.compile._kernels import HostScalars, Plan, plan_for
+from purestep.compile._kernels import HostScalars, OpaquePlan, Plan, plan_for
 from purestep.compile._plan import Guard, Layout, Parts, decompose, layout_of
 from purestep.compile._trace import Traced, trace
 from purestep.optim import current_lr
@@ -197,7 +197,8 @@ class CompiledStep:
             if first is not None and first.device.type == "cuda":
                 key = key.to(first.device)  # a CUDA graph reads no host tensor
         self._counters.calls += 1
-        lay = layout_of(state, batch_td, key, roles, parts.ema_roles)
+        ema_buf = parts.ema_buffer_roles
+        lay = layout_of(state, batch_td, key, roles, parts.ema_roles, ema_buffer_roles=ema_buf)
         if not train.skip_nonfinite:
             spec, outs, host = self._run("all", lay, roles, ema_copy)
             metrics = self._metrics(spec, lay, outs)
@@ -206,12 +207,46 @@ class CompiledStep:
         metrics = self._metrics(spec, lay, outs)
         if not bool(_take(spec, "finite", lay, outs)[0]):
             return self._skipped(state, metrics, step)
+        new_bufs = {
+            r: sk.build(_take(spec, ("buffers", r), lay, outs)) for r, sk in spec.buffers.items()
+        }
+        if spec.written:
+            state = self._write_params(state, spec, lay, outs)
         grads = {r: _take(spec, ("grads", r), lay, outs) for r in spec.updated}
         grads_like = {r: spec.grads[r].build(g) for r, g in grads.items()}
         norms = {r: self._small(spec, ("norm", r), lay, outs)[0] for r in spec.normed}
-        lay2 = layout_of(state, batch_td, key, roles, parts.ema_roles, grads, grads_like)
+        lay2 = layout_of(
+            state,
+            batch_td,
+            key,
+            roles,
+            parts.ema_roles,
+            grads,
+            grads_like,
+            ema_buffer_roles=ema_buf,
+            new_buffers=new_bufs,
+        )
         spec2, outs2, host = self._run("apply", lay2, roles, ema_copy)
-        return self._finish(state, lay2, spec2, outs2, host, metrics, norms=norms)
+        return self._finish(state, lay2, spec2, outs2, host, metrics, norms=norms, buffers=new_bufs)
+
+    def _write_params(
+        self, state: TensorDictBase, spec: OutSpec, lay: Layout, outs: Sequence[torch.Tensor]
+    ) -> TensorDictBase:
+        """``state`` whose params hold the values the forward wrote in place (as eager)."""
+        if not self.donate:
+            state = tree.map_with_leaves(state, _same)[0]
+        for r, idx in spec.written.items():
+            values = _take(spec, ("written", r), lay, outs)
+            params = state.get(("params", r))
+            leaves = tree.leaves(params)
+            if self.donate:
+                for i, v in zip(idx, values, strict=True):
+                    leaves[i].copy_(v)
+            else:
+                for i, v in zip(idx, values, strict=True):
+                    leaves[i] = v
+                state.set(("params", r), tree.rebuild(params, leaves))
+        return state
 
     # ------------------------------------------------------------------ internals
 
@@ -294,6 +329,15 @@ class CompiledStep:
         flags: dict[str, Hashable],
     ) -> _Entry:
         spec = OutSpec()
+
+        def subset(role: str, grads_like: TensorDictBase) -> Plan:
+            opt, params = lay.groups["opt", role], lay.groups["params", role]
+            assert opt.tree is not None and params.tree is not None
+            transform = self._parts.train.optimizers[role]
+            h = _ops.register(transform, params.tree, opt.tree, role, grads=grads_like)
+            self._handles.append(h)
+            return OpaquePlan(h)
+
         fn = core_fn(
             self._parts,
             lay,
@@ -303,6 +347,7 @@ class CompiledStep:
             flags=flags,
             phase=phase,
             spec=spec,
+            subset=subset,
         )
         dyn = None
         if self._dynamic:
@@ -397,9 +442,15 @@ class CompiledStep:
         metrics: TensorDict,
         *,
         norms: dict[str, torch.Tensor] | None = None,
+        buffers: dict[str, TensorDict] | None = None,
     ) -> tuple[TensorDict, TensorDict]:
         donate = self.donate
         train = self._parts.train
+        if buffers is None:
+            buffers = {
+                r: sk.build(_take(spec, ("buffers", r), lay, outs))
+                for r, sk in spec.buffers.items()
+            }
         if donate:
             # params, moments and EMAs were updated in their buffers; the 0-dim leaves
             # (count, lr, ...) are new tensors, set into the state as the eager step does
@@ -410,17 +461,24 @@ class CompiledStep:
             out.get("step").add_(1)
         else:
             out = tree.map_with_leaves(state, _same)[0]  # new nodes, as state.copy()
-            for r in spec.updated:
+            for r in dict.fromkeys([*spec.updated, *spec.written]):
                 new_p = _take(spec, ("params", r), lay, outs)
+                out.set(("params", r), tree.rebuild(state.get(("params", r)), new_p))
+            for r in spec.updated:
                 new_o = _take(spec, ("opt", r), lay, outs)
                 for i, t in host[r].replace:
                     new_o[i] = t
-                out.set(("params", r), tree.rebuild(state.get(("params", r)), new_p))
                 out.set(("opt_state", r), tree.rebuild(state.get(("opt_state", r)), new_o))
-            for r in self._parts.ema_roles:
-                new_e = _take(spec, ("ema", r), lay, outs)
-                out.set(("ema", r), tree.rebuild(state.get(("ema", r)), new_e))
+            for group, roles in (
+                ("ema", self._parts.ema_roles),
+                ("ema_buffers", self._parts.ema_buffer_roles),
+            ):
+                for r in roles:
+                    new_e = _take(spec, (group, r), lay, outs)
+                    out.set((group, r), tree.rebuild(state.get((group, r)), new_e))
             out.set("step", state.get("step") + 1)
+        if "buffers" in state.keys():  # as eager: the forward's working copy is the new buffers
+            out.set("buffers", tree.plain_td(dict(buffers)))
         if norms is None:
             norms = {r: self._small(spec, ("norm", r), lay, outs)[0] for r in spec.normed}
         if train.skip_nonfinite:

@@ -83,6 +83,11 @@ def _user_frame(tb: Any) -> str:
     return "unknown location"
 
 
+def _any_frame(tb: Any) -> str:
+    """Every frame's file, one per line (to find where a trace failed)."""
+    return "\n".join(fr.filename.replace("\\", "/") for fr in traceback.extract_tb(tb))
+
+
 def _fake_inputs(mode: Any, inputs: Sequence[torch.Tensor], dynamic: Sequence[bool]) -> list[Any]:
     from torch.fx.experimental.symbolic_shapes import DimDynamic, StatelessSymbolicContext
 
@@ -147,6 +152,14 @@ def trace(
     except Exception as e:
         name = type(e).__name__
         where = _user_frame(e.__traceback__)
+        if (
+            "DataDependent" in name or "GuardOnData" in name
+        ) and "/purestep/step/_call.py" in _any_frame(e.__traceback__):
+            raise TraceError(
+                "purestep.compile: call(..., key=) seeds torch's generator for module dropout "
+                "from the key on the host, which a traced step cannot do; compile steps whose "
+                "modules draw no random numbers, or draw noise with purestep.rng in the loss"
+            ) from e
         if "DataDependent" in name or "GuardOnData" in name:
             raise TraceError(
                 "purestep.compile: the step reads a tensor's value on the host at "
