@@ -244,16 +244,33 @@ def test_errors_name_the_problem() -> None:
 
 
 def test_inductor_compiled_step_matches_eager_and_is_donation_safe() -> None:
-    """Inductor: within 1e-5 of eager over 4 steps; donate=True equals donate=False bitwise; 0 recompiles."""
+    """Inductor (two small graphs): within 1e-5 of eager over 3 steps; donate == no-donate, bitwise.
+
+    The representative inductor check of the default run; the slow tests
+    compile every optimizer kind, EMA, skipping and accumulation.
+    """
     opts = {"a": "clip_adamw"}
     state = make_state(opts)
-    bs = batches(4)
-    compiled = ps.compile(make_step(opts, k=2, ema=True))
-    _assert_same_run(compiled, make_step(opts, k=2, ema=True), state, bs, rtol=1e-5, atol=1e-6)
-    testing.assert_donation_safe(
-        lambda d: ps.compile(make_step(opts, k=2, ema=True, donate=d)), state, bs
-    )
+    bs = batches(3)
+    compiled = ps.compile(make_step(opts))
+    _assert_same_run(compiled, make_step(opts), state, bs, rtol=1e-5, atol=1e-6)
+    testing.assert_donation_safe(lambda d: ps.compile(make_step(opts, donate=d)), state, bs)
     assert compiled.stats().recompiles == 0
+
+
+@pytest.mark.slow
+def test_inductor_ema_accumulate_and_skip_match_eager() -> None:
+    """Inductor with EMA (both phases), accumulate(2) and skip_nonfinite: within 1e-5 of eager."""
+    opts = {"a": "clip_adamw", "b": "sgd_nesterov"}
+    kw: dict[str, Any] = {"k": 2, "ema": True, "skip": True, "every": {"b": 2}}
+    _assert_same_run(
+        ps.compile(make_step(opts, **kw)),
+        make_step(opts, **kw),
+        make_state(opts),
+        batches(4, nan_at=2),
+        rtol=1e-5,
+        atol=1e-6,
+    )
 
 
 # ----------------------------------------------------------------------------- CUDA graphs
@@ -338,3 +355,35 @@ def test_buffers_and_params_written_by_the_forward_equal_eager(donate: bool) -> 
         for kw in ({"ema_buffers": isinstance(net, BNNet), "k": 2}, {"skip": True}):
             make = lambda kw=kw, net=net: module_step(net, "adamw_schedule", donate=donate, **kw)  # noqa: E731
             _assert_same_run(ps.compile(make(), **EAGER), make(), state, bs)
+
+
+@pytest.mark.slow
+def test_inductor_compiled_steps_pass_the_property_checks() -> None:
+    """Inductor: deterministic, resume-exact (bitwise), accumulation-invariant, pure; every optimizer kind."""
+    opts = {"a": "clip_adamw", "b": "lion"}
+    state = make_state(opts)
+    bs = batches(3)
+    step = ps.compile(make_step(opts, ema=True, every={"b": 2}))
+    testing.assert_pure(step, state, bs[0])
+    testing.assert_deterministic(step, state, bs)
+    testing.assert_resume_exact(step, state, bs, save_at=1)
+    testing.assert_accumulation_invariant(
+        lambda k: ps.compile(make_step(opts, k=k)), state, bs[:2], ks=(1, 2)
+    )
+    assert step.stats().recompiles == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("opt", ["adam_amsgrad_l2", "sgd_nesterov", "clip_clip_sgd", "clip_scale"])
+def test_inductor_every_optimizer_matches_eager(opt: str) -> None:
+    """Inductor-compiled steps with each optimizer kind stay within 1e-5 of eager; skip and accumulate too."""
+    opts = {"a": opt}
+    kw: dict[str, Any] = {"k": 2, "skip": True, "donate": True}
+    _assert_same_run(
+        ps.compile(make_step(opts, **kw)),
+        make_step(opts, **kw),
+        make_state(opts),
+        batches(4, nan_at=1),
+        rtol=1e-5,
+        atol=1e-6,
+    )

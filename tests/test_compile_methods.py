@@ -47,8 +47,17 @@ def _same(
     cmp(s_c, s_e, what="state after the run")
 
 
-@pytest.mark.parametrize("name", list(test_finetune.CONFIGS))
-@pytest.mark.parametrize("donate", [False, True])
+_FAST = {("conditional", True), ("velocity", False)}
+
+
+@pytest.mark.parametrize(
+    ("name", "donate"),
+    [
+        pytest.param(n, d, marks=() if (n, d) in _FAST else pytest.mark.slow)
+        for n in test_finetune.CONFIGS
+        for d in (False, True)
+    ],
+)
 def test_finetune_compiled_equals_eager(name: str, donate: bool) -> None:
     """finetune (every config, EMA, donation) compiled == eager, bit for bit; the compiled step is pure."""
     opt = optim.adamw(lr=1e-2)
@@ -59,7 +68,13 @@ def test_finetune_compiled_equals_eager(name: str, donate: bool) -> None:
         testing.assert_pure(ps.compile(make(), **EAGER), state, batches[0])
 
 
-@pytest.mark.parametrize("name", list(test_dmd2.CONFIGS))
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(n, marks=() if n == "simulate_3step" else pytest.mark.slow)
+        for n in test_dmd2.CONFIGS
+    ],
+)
 def test_dmd2_compiled_equals_eager_and_keeps_the_cadence(name: str) -> None:
     """DMD2 (student every 2 steps, critic every step) compiled == eager; cadence and donation hold."""
     opts = test_dmd2._adam_opts()
@@ -73,6 +88,7 @@ def test_dmd2_compiled_equals_eager_and_keeps_the_cadence(name: str) -> None:
     testing.assert_donation_safe(lambda d: ps.compile(make(d), **EAGER), state, batches)
 
 
+@pytest.mark.slow
 def test_dmd2_compiled_is_accumulation_invariant() -> None:
     """accumulate(k) for k = 1, 2 on the compiled DMD2 step gives the same states and metrics."""
     opts = {"student": optim.sgd(lr=0.1), "critic": optim.sgd(lr=0.1, momentum=0.5)}
@@ -123,7 +139,7 @@ def test_inductor_compiled_methods_match_eager(method: str) -> None:
     """Inductor-compiled methods: within 1e-5 of eager; donate == no-donate bitwise."""
     if method == "finetune":
         opt = optim.adamw(lr=1e-2)
-        net, cfg, state, batches = test_finetune._setup("cond", opt)
+        net, cfg, state, batches = test_finetune._setup("conditional", opt)
 
         def make(d: bool = False) -> Any:
             return finetune.make_step(net, opt, cfg, donate=d, ema=0.9)

@@ -261,10 +261,15 @@ class CompiledStep:
             return False
         if train.skip_nonfinite and "skip" not in keys:
             return False
-        ema = self._parts.ema_roles
-        if ema and ("ema" not in keys or any(r not in state.get("ema").keys() for r in ema)):
-            return False
-        return all(r in params for r in ema)
+        for group, roles in (
+            ("ema", self._parts.ema_roles),
+            ("ema_buffers", self._parts.ema_buffer_roles),
+        ):
+            if roles and (
+                group not in keys or any(r not in state.get(group).keys() for r in roles)
+            ):
+                return False
+        return all(r in params for r in self._parts.ema_roles)
 
     def _check_functional(self, state: TensorDictBase) -> None:
         params = state.get("params")
