@@ -18,12 +18,11 @@ from purestep.compile._core import OutSpec, Phase, core_fn
 from purestep.compile._cudagraph import Capturer, CudaCapturer, StepGraph, used_inputs
 from purestep.compile._kernels import HostScalars, OpaquePlan, Plan, plan_for
 from purestep.compile._plan import Guard, Layout, Parts, decompose, layout_of
+from purestep.compile._result import Results, finish, skipped, write_params
 from purestep.compile._trace import Traced, trace
-from purestep.optim import current_lr
 from purestep.step import (
     Batch,
     EMAStep,
-    NonFiniteError,
     Step,
     TrainStep,
     as_batch,
@@ -52,6 +51,9 @@ class CompileStats:
         compile_s: seconds spent compiling, per compile, in order.
         specialized: for ``dynamic=True``, where a batch size was fixed anyway
             (``file:line``), per compile that had one.
+        cudagraph_captures: whole-step CUDA graphs captured (``mode="reduce-overhead"``).
+        cudagraph_skipped: per graph that runs without a CUDA graph although the
+            mode asks for one, why.
     """
 
     calls: int
@@ -200,21 +202,18 @@ class CompiledStep:
         ema_buf = parts.ema_buffer_roles
         lay = layout_of(state, batch_td, key, roles, parts.ema_roles, ema_buffer_roles=ema_buf)
         if not train.skip_nonfinite:
-            spec, outs, host = self._run("all", lay, roles, ema_copy)
-            metrics = self._metrics(spec, lay, outs)
-            return self._finish(state, lay, spec, outs, host, metrics)
-        spec, outs, _ = self._run("grads", lay, roles, ema_copy)
-        metrics = self._metrics(spec, lay, outs)
-        if not bool(_take(spec, "finite", lay, outs)[0]):
-            return self._skipped(state, metrics, step)
-        new_bufs = {
-            r: sk.build(_take(spec, ("buffers", r), lay, outs)) for r, sk in spec.buffers.items()
-        }
-        if spec.written:
-            state = self._write_params(state, spec, lay, outs)
-        grads = {r: _take(spec, ("grads", r), lay, outs) for r in spec.updated}
-        grads_like = {r: spec.grads[r].build(g) for r, g in grads.items()}
-        norms = {r: self._small(spec, ("norm", r), lay, outs)[0] for r in spec.normed}
+            res, host = self._run("all", lay, roles, ema_copy)
+            return finish(parts, state, res, host, res.metrics(), res.norms(), res.buffers())
+        res, _ = self._run("grads", lay, roles, ema_copy)
+        metrics = res.metrics()
+        if not bool(res.take("finite")[0]):
+            return skipped(parts, state, metrics, step)
+        new_bufs = res.buffers()
+        if res.spec.written:
+            state = write_params(state, res, self.donate)
+        grads = {r: res.take(("grads", r)) for r in res.spec.updated}
+        grads_like = {r: res.spec.grads[r].build(g) for r, g in grads.items()}
+        norms = res.norms()
         lay2 = layout_of(
             state,
             batch_td,
@@ -226,27 +225,8 @@ class CompiledStep:
             ema_buffer_roles=ema_buf,
             new_buffers=new_bufs,
         )
-        spec2, outs2, host = self._run("apply", lay2, roles, ema_copy)
-        return self._finish(state, lay2, spec2, outs2, host, metrics, norms=norms, buffers=new_bufs)
-
-    def _write_params(
-        self, state: TensorDictBase, spec: OutSpec, lay: Layout, outs: Sequence[torch.Tensor]
-    ) -> TensorDictBase:
-        """``state`` whose params hold the values the forward wrote in place (as eager)."""
-        if not self.donate:
-            state = tree.map_with_leaves(state, _same)[0]
-        for r, idx in spec.written.items():
-            values = _take(spec, ("written", r), lay, outs)
-            params = state.get(("params", r))
-            leaves = tree.leaves(params)
-            if self.donate:
-                for i, v in zip(idx, values, strict=True):
-                    leaves[i].copy_(v)
-            else:
-                for i, v in zip(idx, values, strict=True):
-                    leaves[i] = v
-                state.set(("params", r), tree.rebuild(params, leaves))
-        return state
+        res2, host = self._run("apply", lay2, roles, ema_copy)
+        return finish(parts, state, res2, host, metrics, norms, new_bufs)
 
     # ------------------------------------------------------------------ internals
 
@@ -293,7 +273,7 @@ class CompiledStep:
 
     def _run(
         self, phase: Phase, lay: Layout, roles: Sequence[str], ema_copy: tuple[bool, ...]
-    ) -> tuple[OutSpec, Sequence[torch.Tensor], dict[str, HostScalars]]:
+    ) -> tuple[Results, dict[str, HostScalars]]:
         if phase == "grads":
             ema_copy = ()  # the grads do not depend on the EMA phase
         base = (phase, tuple(roles), ema_copy, self.donate)
@@ -319,9 +299,12 @@ class CompiledStep:
             entry = self._compile(phase, lay, roles, ema_copy, base, variants.plans, dict(flags))
             self._cache[vkey] = variants
             variants.entries.setdefault(flags, []).append(entry)
-        if entry.graph is not None:
-            return entry.spec, entry.graph(*lay.leaves), host
-        return entry.spec, entry.fn(*lay.leaves), host
+        outs = entry.graph(*lay.leaves) if entry.graph is not None else entry.fn(*lay.leaves)
+        return Results(lay, entry.spec, outs, self._small), host
+
+    def _small(self, ts: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Metrics and norms, cloned out of a CUDA graph's memory (its next replay overwrites it)."""
+        return [t.clone() for t in ts] if self._cudagraphs else ts
 
     def _compile(
         self,
@@ -425,134 +408,6 @@ class CompiledStep:
         if len(devices) != 1 or next(iter(devices)).type != "cuda":
             return f"inputs on {sorted(str(d) for d in devices)} (CUDA graphs need one CUDA device)"
         return None
-
-    def _metrics(self, spec: OutSpec, lay: Layout, outs: Sequence[torch.Tensor]) -> TensorDict:
-        assert spec.metrics is not None
-        return spec.metrics.build(self._small(spec, "metrics", lay, outs))
-
-    def _small(
-        self, spec: OutSpec, name: Hashable, lay: Layout, outs: Sequence[torch.Tensor]
-    ) -> list[torch.Tensor]:
-        """Result ``name`` (metrics, a norm), cloned out of a CUDA graph's memory when captured."""
-        ts = _take(spec, name, lay, outs)
-        return [t.clone() for t in ts] if self._cudagraphs else ts
-
-    def _finish(
-        self,
-        state: TensorDictBase,
-        lay: Layout,
-        spec: OutSpec,
-        outs: Sequence[torch.Tensor],
-        host: dict[str, HostScalars],
-        metrics: TensorDict,
-        *,
-        norms: dict[str, torch.Tensor] | None = None,
-        buffers: dict[str, TensorDict] | None = None,
-    ) -> tuple[TensorDict, TensorDict]:
-        donate = self.donate
-        train = self._parts.train
-        if buffers is None:
-            buffers = {
-                r: sk.build(_take(spec, ("buffers", r), lay, outs))
-                for r, sk in spec.buffers.items()
-            }
-        if donate:
-            # params, moments and EMAs were updated in their buffers; the 0-dim leaves
-            # (count, lr, ...) are new tensors, set into the state as the eager step does
-            out = state
-            for r in spec.updated:
-                for i, path in spec.replaced[r]:
-                    out.set(("opt_state", r, *path), _leaf(i, host[r], spec, ("opt", r), lay, outs))
-            out.get("step").add_(1)
-        else:
-            out = tree.map_with_leaves(state, _same)[0]  # new nodes, as state.copy()
-            for r in dict.fromkeys([*spec.updated, *spec.written]):
-                new_p = _take(spec, ("params", r), lay, outs)
-                out.set(("params", r), tree.rebuild(state.get(("params", r)), new_p))
-            for r in spec.updated:
-                new_o = _take(spec, ("opt", r), lay, outs)
-                for i, t in host[r].replace:
-                    new_o[i] = t
-                out.set(("opt_state", r), tree.rebuild(state.get(("opt_state", r)), new_o))
-            for group, roles in (
-                ("ema", self._parts.ema_roles),
-                ("ema_buffers", self._parts.ema_buffer_roles),
-            ):
-                for r in roles:
-                    new_e = _take(spec, (group, r), lay, outs)
-                    out.set((group, r), tree.rebuild(state.get((group, r)), new_e))
-            out.set("step", state.get("step") + 1)
-        if "buffers" in state.keys():  # as eager: the forward's working copy is the new buffers
-            out.set("buffers", tree.plain_td(dict(buffers)))
-        if norms is None:
-            norms = {r: self._small(spec, ("norm", r), lay, outs)[0] for r in spec.normed}
-        if train.skip_nonfinite:
-            _set_skip(out, state, consecutive=0, total_inc=0, donate=donate)
-            metrics.set("skipped", torch.zeros((), dtype=torch.bool))
-        for r in spec.updated:
-            lr = current_lr(out.get(("opt_state", r)))
-            if lr is not None:
-                metrics.set((r, "lr"), lr)
-            if r in norms:  # as eager: also without grad_norm when skipping (the norm was taken)
-                metrics.set((r, "grad_norm"), norms[r])
-        return out, metrics
-
-    def _skipped(
-        self, state: TensorDictBase, metrics: TensorDict, step: int
-    ) -> tuple[TensorDict, TensorDict]:
-        train = self._parts.train
-        consecutive = int(state.get(("skip", "consecutive"))) + 1
-        if train.max_consecutive is not None and consecutive > train.max_consecutive:
-            raise NonFiniteError(
-                f"{consecutive} consecutive steps with a non-finite loss or gradient "
-                f"(max_consecutive={train.max_consecutive}), last at step {step}"
-            )
-        out = state if self.donate else state.copy()
-        if self.donate:
-            out.get("step").add_(1)
-        else:
-            out.set("step", state.get("step") + 1)
-        _set_skip(out, state, consecutive=consecutive, total_inc=1, donate=self.donate)
-        metrics.set("skipped", torch.ones((), dtype=torch.bool))
-        return out, metrics
-
-
-def _take(
-    spec: OutSpec, name: Hashable, lay: Layout, outs: Sequence[torch.Tensor]
-) -> list[torch.Tensor]:
-    return [lay.leaves[i] if kind == "in" else outs[i] for kind, i in spec.sources[name]]
-
-
-def _leaf(
-    i: int,
-    host: HostScalars,
-    spec: OutSpec,
-    name: Hashable,
-    lay: Layout,
-    outs: Sequence[torch.Tensor],
-) -> torch.Tensor:
-    """Leaf ``i`` of a result group: the host's replacement, else the graph's."""
-    for j, t in host.replace:
-        if j == i:
-            return t
-    kind, k = spec.sources[name][i]
-    return lay.leaves[k] if kind == "in" else outs[k]
-
-
-def _same(t: torch.Tensor) -> torch.Tensor:
-    return t
-
-
-def _set_skip(
-    out: TensorDictBase, state: TensorDictBase, *, consecutive: int, total_inc: int, donate: bool
-) -> None:
-    total = state.get(("skip", "total"))
-    if donate:
-        out.get(("skip", "consecutive")).fill_(consecutive)
-        total.add_(total_inc)
-    else:
-        out.set(("skip", "consecutive"), torch.tensor(consecutive, dtype=torch.int64))
-        out.set(("skip", "total"), total + total_inc)
 
 
 def _describe(vkey: Hashable, flags: Hashable) -> str:
