@@ -3,11 +3,13 @@
 :func:`core_fn` builds, for one variant, ``core(*leaves) -> list[Tensor]`` that
 rebuilds the TensorDicts from the leaves, runs the step's own ``grad_fn``
 (``value_and_grad``, ``accumulate``, the user's loss, ``call``, ``rng``: the
-eager code, unchanged), takes the grad norms and the finiteness check, runs
-each due role's optimizer through ``purestep::transform_step`` and the EMA
-lerps, and returns the new leaves. While it is traced it records in an
-:class:`OutSpec` where each result went: a graph output, or an input updated
-in place (donated buffers, which the graph must not return).
+eager code, unchanged) on a working copy of the buffers as ``train_step``
+does, takes the grad norms and the finiteness check, runs each due role's
+optimizer through its plan (``_kernels``) and the EMA lerps, and returns the
+new leaves. While it is traced it records in an :class:`OutSpec` where each
+result went: a graph output, or an input updated in place (donated buffers,
+which the graph must not return). The orchestration mirrors
+``TrainStep._step`` and ``EMAStep``; the tests hold the two to the same bits.
 
 ``phase`` splits a step that skips non-finite updates in two graphs: ``"grads"``
 (grads, norms, metrics, the finite flag) and ``"apply"`` (optimizers and EMA),
