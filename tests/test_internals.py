@@ -178,6 +178,32 @@ def test_compile_wrapper_keeps_the_module_under_orig_mod() -> None:
         assert names == ["_orig_mod.weight", "_orig_mod.bias"], names
 
 
+def test_inductor_standalone_compile_and_mode_options_keep_their_shape() -> None:
+    """``standalone_compile`` takes purestep's keywords; ``reduce-overhead`` asks for CUDA graphs."""
+    with internal("torch._inductor.standalone_compile"):
+        params = inspect.signature(torch._inductor.standalone_compile).parameters
+        for kw in ("dynamic_shapes", "options", "donate_graph_module"):
+            assert kw in params, f"no {kw}= keyword: {list(params)}"
+    with internal("torch._inductor.list_mode_options"):
+        opts = torch._inductor.list_mode_options("reduce-overhead")
+        assert opts.get("triton.cudagraphs") is True, opts
+
+
+def test_fake_tensor_mode_makes_fake_tensors_of_the_inputs_metadata() -> None:
+    """``FakeTensorMode.from_tensor`` gives a ``torch._subclasses.FakeTensor`` with the same metadata."""
+    with internal("torch._subclasses.fake_tensor.FakeTensorMode"):
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=None)
+        real = torch.ones(3, 2, dtype=torch.float64)
+        fake = mode.from_tensor(real)
+        assert isinstance(fake, torch._subclasses.FakeTensor), type(fake).__name__
+        assert (fake.shape, fake.dtype, fake.device) == (real.shape, real.dtype, real.device)
+        with mode:
+            out = fake * 2
+        assert isinstance(out, torch._subclasses.FakeTensor), type(out).__name__
+
+
 def test_global_parameter_registration_hooks_dict_sees_public_registrations() -> None:
     """``nn.modules.module._global_parameter_registration_hooks`` holds the public hooks."""
     from torch.nn.modules import module as torch_module

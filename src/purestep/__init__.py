@@ -22,6 +22,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING
 
 from purestep import export, optim, rng, tree
+from purestep.compile import CompiledStep, CompileStats, compile
 from purestep.state import buffers_of, init_state, params_of, roles, variables
 from purestep.step import (
     EMAStep,
@@ -55,6 +56,8 @@ def __getattr__(name: str) -> ModuleType:
 
 
 __all__ = [
+    "CompileStats",
+    "CompiledStep",
     "EMAStep",
     "NonFiniteError",
     "Step",
@@ -66,6 +69,7 @@ __all__ = [
     "call",
     "call_scope",
     "checkpoint",
+    "compile",
     "current_microbatch",
     "export",
     "init_state",

@@ -107,7 +107,13 @@ def shape(shape: ShapeLike, fn: str) -> tuple[int, ...]:
     if isinstance(shape, torch.Tensor | str):
         raise TypeError(f"{fn}: shape must be an int or a sequence of ints, got {describe(shape)}")
     dims = [shape] if not isinstance(shape, Sequence) else list(shape)
-    return tuple(as_int(d, f"{fn}: shape {tuple(dims)!r} entry", 0, I64_MAX) for d in dims)
+    return tuple(
+        # a symbolic size (a batch traced by purestep.compile(dynamic=True)) stays symbolic
+        d
+        if isinstance(d, torch.SymInt)
+        else as_int(d, f"{fn}: shape {tuple(dims)!r} entry", 0, I64_MAX)
+        for d in dims
+    )
 
 
 def check_index(index: object, fn: str) -> torch.Tensor:

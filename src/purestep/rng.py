@@ -219,7 +219,12 @@ def _mix_int(z: int) -> int:
 def _host_scalar(d: object) -> bool:
     """An int, or a 0-dim int64 CPU tensor (whose value can be read without a device sync)."""
     if isinstance(d, torch.Tensor):
-        return d.dim() == 0 and d.dtype == torch.int64 and d.device.type == "cpu"
+        return (
+            type(d) is torch.Tensor  # not a traced (fake) tensor
+            and d.dim() == 0
+            and d.dtype == torch.int64
+            and d.device.type == "cpu"
+        )
     return isinstance(d, int) and not isinstance(d, bool)
 
 
@@ -255,7 +260,12 @@ def fold_in(key: torch.Tensor, *data: int | torch.Tensor) -> torch.Tensor:
         True
     """
     k = _a.check_key(key, "fold_in", scalar=False)
-    if k.dim() == 0 and k.device.type == "cpu" and all(_host_scalar(d) for d in data):
+    if (
+        type(k) is torch.Tensor  # a traced (fake) key has no value to read
+        and k.dim() == 0
+        and k.device.type == "cpu"
+        and all(_host_scalar(d) for d in data)
+    ):
         # one key on the host (the step key): the same words in Python ints, ~10x faster
         z = int(k) % U64
         for i, d in enumerate(data):

@@ -82,7 +82,8 @@ class Transform:
         step_fn: optional ``(grads, state, params, *, donate=False) -> (params, state)``
             that is faster than ``update`` + ``apply_updates`` (fused kernels).
         name: a short name for errors and reprs.
-        hparams: the validated hyperparameters (an attrs instance), if any.
+        hparams: the validated hyperparameters (an attrs instance), if any;
+            for :func:`chain`, the tuple of chained transforms.
 
     Example:
         >>> import torch
@@ -285,8 +286,8 @@ def chain(*transforms: Transform) -> Transform:
     Example:
         >>> from purestep import optim
         >>> t = optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(lr=1e-3))
-        >>> t.name
-        'chain(clip_by_global_norm, adamw)'
+        >>> t.name, len(t.hparams)
+        ('chain(clip_by_global_norm, adamw)', 2)
     """
     if not transforms:
         raise ValueError("chain() needs at least one transform")
@@ -327,6 +328,7 @@ def chain(*transforms: Transform) -> Transform:
         update_fn=update,
         step_fn=step,
         name=name,
+        hparams=tuple(transforms),  # the parts, for purestep.compile
     )
 
 

@@ -1,0 +1,173 @@
+"""After the graph: the new state and metrics, built on the host as the eager step builds them.
+
+The graph hands back flat tensors (or updated its donated inputs in place);
+this module puts them back into TensorDicts and does the eager step's
+bookkeeping: ``step + 1``, the optimizers' new ``count``/``lr`` leaves, the
+forward's buffers, skip counters and the ``lr``/``grad_norm`` metrics, in the
+eager step's key order (the tests compare key structures too).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Sequence
+
+import attrs
+import torch
+from tensordict import TensorDict, TensorDictBase
+
+from purestep import tree
+from purestep.compile._core import OutSpec
+from purestep.compile._kernels import HostScalars
+from purestep.compile._plan import Layout, Parts
+from purestep.optim import current_lr
+from purestep.step import NonFiniteError
+
+__all__ = ["Results", "finish", "skipped", "write_params"]
+
+
+@attrs.frozen
+class Results:
+    """One graph call: its input layout, what its trace recorded, and its outputs.
+
+    Attributes:
+        lay: the flat inputs.
+        spec: where each result went (a graph output or an input updated in place).
+        outs: the graph's outputs.
+        small: applied to metrics and norms (a clone out of a CUDA graph's memory).
+    """
+
+    lay: Layout
+    spec: OutSpec
+    outs: Sequence[torch.Tensor]
+    small: Callable[[list[torch.Tensor]], list[torch.Tensor]]
+
+    def take(self, name: Hashable) -> list[torch.Tensor]:
+        """The tensors of result group ``name``."""
+        lay, outs = self.lay, self.outs
+        return [lay.leaves[i] if kind == "in" else outs[i] for kind, i in self.spec.sources[name]]
+
+    def leaf(self, name: Hashable, i: int, host: HostScalars) -> torch.Tensor:
+        """Leaf ``i`` of result group ``name``: the host's replacement, else the graph's."""
+        for j, t in host.replace:
+            if j == i:
+                return t
+        kind, k = self.spec.sources[name][i]
+        return self.lay.leaves[k] if kind == "in" else self.outs[k]
+
+    def metrics(self) -> TensorDict:
+        """The loss function's metrics (and the loss)."""
+        assert self.spec.metrics is not None
+        return self.spec.metrics.build(self.small(self.take("metrics")))
+
+    def norms(self) -> dict[str, torch.Tensor]:
+        """``{role: grad norm}`` of the roles whose norm the step took."""
+        return {r: self.small(self.take(("norm", r)))[0] for r in self.spec.normed}
+
+    def buffers(self) -> dict[str, TensorDict]:
+        """``{role: buffers after the forward}``."""
+        return {r: sk.build(self.take(("buffers", r))) for r, sk in self.spec.buffers.items()}
+
+
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def _next_step(out: TensorDictBase, state: TensorDictBase, donate: bool) -> None:
+    if donate:
+        out.get("step").add_(1)
+    else:
+        out.set("step", state.get("step") + 1)
+
+
+def _set_skip(
+    out: TensorDictBase, state: TensorDictBase, *, consecutive: int, total_inc: int, donate: bool
+) -> None:
+    total = state.get(("skip", "total"))
+    if donate:
+        out.get(("skip", "consecutive")).fill_(consecutive)
+        total.add_(total_inc)
+    else:
+        out.set(("skip", "consecutive"), torch.tensor(consecutive, dtype=torch.int64))
+        out.set(("skip", "total"), total + total_inc)
+
+
+def finish(
+    parts: Parts,
+    state: TensorDictBase,
+    res: Results,
+    host: dict[str, HostScalars],
+    metrics: TensorDict,
+    norms: dict[str, torch.Tensor],
+    buffers: dict[str, TensorDict],
+) -> tuple[TensorDict, TensorDict]:
+    """The new state and the metrics of a step whose updates ran (``res``: the graph that ran them)."""
+    train, spec = parts.train, res.spec
+    donate = train.donate
+    if donate:
+        # params, moments and EMAs were updated in their buffers; the 0-dim leaves
+        # (count, lr, ...) are new tensors, set into the state as the eager step does
+        out = state
+        for r in spec.updated:
+            for i, path in spec.replaced[r]:
+                out.set(("opt_state", r, *path), res.leaf(("opt", r), i, host[r]))
+    else:
+        out = tree.map_with_leaves(state, _same)[0]  # new nodes, as state.copy()
+        for r in dict.fromkeys([*spec.updated, *spec.written]):
+            out.set(("params", r), tree.rebuild(state.get(("params", r)), res.take(("params", r))))
+        for r in spec.updated:
+            new_o = res.take(("opt", r))
+            for i, t in host[r].replace:
+                new_o[i] = t
+            out.set(("opt_state", r), tree.rebuild(state.get(("opt_state", r)), new_o))
+        for group, roles in (("ema", parts.ema_roles), ("ema_buffers", parts.ema_buffer_roles)):
+            for r in roles:
+                out.set((group, r), tree.rebuild(state.get((group, r)), res.take((group, r))))
+    if "buffers" in state.keys():  # as eager: the forward's working copy is the new buffers
+        out.set("buffers", tree.plain_td(dict(buffers)))
+    _next_step(out, state, donate)
+    if train.skip_nonfinite:
+        _set_skip(out, state, consecutive=0, total_inc=0, donate=donate)
+        metrics.set("skipped", torch.zeros((), dtype=torch.bool))
+    for r in spec.updated:
+        lr = current_lr(out.get(("opt_state", r)))
+        if lr is not None:
+            metrics.set((r, "lr"), lr)
+        if r in norms:  # as eager: also without grad_norm when skipping (the norm was taken)
+            metrics.set((r, "grad_norm"), norms[r])
+    return out, metrics
+
+
+def skipped(
+    parts: Parts, state: TensorDictBase, metrics: TensorDict, step: int
+) -> tuple[TensorDict, TensorDict]:
+    """A step whose loss or grads were not finite: only ``step`` and the skip counters move."""
+    train = parts.train
+    consecutive = int(state.get(("skip", "consecutive"))) + 1
+    if train.max_consecutive is not None and consecutive > train.max_consecutive:
+        raise NonFiniteError(
+            f"{consecutive} consecutive steps with a non-finite loss or gradient "
+            f"(max_consecutive={train.max_consecutive}), last at step {step}"
+        )
+    out = state if train.donate else state.copy()
+    _next_step(out, state, train.donate)
+    _set_skip(out, state, consecutive=consecutive, total_inc=1, donate=train.donate)
+    metrics.set("skipped", torch.ones((), dtype=torch.bool))
+    return out, metrics
+
+
+def write_params(state: TensorDictBase, res: Results, donate: bool) -> TensorDictBase:
+    """``state`` whose params hold the values the forward wrote in place (as the eager step)."""
+    if not donate:
+        state = tree.map_with_leaves(state, _same)[0]
+    for r, idx in res.spec.written.items():
+        values = res.take(("written", r))
+        params = state.get(("params", r))
+        leaves = tree.leaves(params)
+        if donate:
+            for i, v in zip(idx, values, strict=True):
+                leaves[i].copy_(v)
+        else:
+            for i, v in zip(idx, values, strict=True):
+                leaves[i] = v
+            state.set(("params", r), tree.rebuild(params, leaves))
+    return state
