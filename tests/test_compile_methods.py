@@ -22,6 +22,7 @@ import test_kd
 import test_nft
 from _tiny import one_thread  # noqa: F401 (fixture)
 from purestep import optim, testing
+from purestep.export import module_variables
 from purestep.methods import dmd2, finetune, kd, nft
 from purestep.testing._compare import assert_trees_close, assert_trees_equal
 
@@ -79,7 +80,18 @@ def test_dmd2_compiled_equals_eager_and_keeps_the_cadence(name: str) -> None:
     """DMD2 (student every 2 steps, critic every step) compiled == eager; cadence and donation hold."""
     opts = test_dmd2._adam_opts()
     student, teacher, cfg, state, batches = test_dmd2._setup(name, opts)
-    make = lambda d=False: dmd2.make_step(student, teacher, None, opts, cfg, donate=d, ema=0.9)  # noqa: E731
+
+    def make(d: bool = False) -> Any:
+        return dmd2.make_step(
+            student=student,
+            teacher=teacher,
+            teacher_params=module_variables(teacher),
+            optimizers=opts,
+            config=cfg,
+            donate=d,
+            ema=0.9,
+        )
+
     step = ps.compile(make(), **EAGER)
     _same(step, make(), state, batches)
     testing.assert_cadence(
@@ -95,11 +107,20 @@ def test_dmd2_compiled_is_accumulation_invariant() -> None:
     student, teacher, cfg, state, batches = test_dmd2._setup("one_step", opts)
     testing.assert_accumulation_invariant(
         lambda k: ps.compile(
-            dmd2.make_step(student, teacher, None, opts, cfg, accumulate=k), **EAGER
+            dmd2.make_step(
+                student=student,
+                teacher=teacher,
+                teacher_params=module_variables(teacher),
+                optimizers=opts,
+                config=cfg,
+                accumulate=k,
+            ),
+            **EAGER,
         ),
         state,
         batches,
         ks=(1, 2),
+        compare="state",
     )
 
 
@@ -149,7 +170,14 @@ def test_inductor_compiled_methods_match_eager(method: str) -> None:
         student, teacher, cfg2, state, batches = test_dmd2._setup("one_step", opts)
 
         def make(d: bool = False) -> Any:
-            return dmd2.make_step(student, teacher, None, opts, cfg2, donate=d)
+            return dmd2.make_step(
+                student=student,
+                teacher=teacher,
+                teacher_params=module_variables(teacher),
+                optimizers=opts,
+                config=cfg2,
+                donate=d,
+            )
 
     else:
         vnet = test_nft.VelocityNet()

@@ -155,7 +155,7 @@ def _average(
 
 def _ema(
     parts: Parts,
-    ema_copy: Sequence[bool],
+    ema_copy: Sequence[Sequence[str]],
     new_params: dict[str, list[torch.Tensor]],
     emas: dict[str, list[torch.Tensor]],
     new_bufs: dict[str, list[torch.Tensor]],
@@ -163,9 +163,12 @@ def _ema(
     donate: bool,
 ) -> None:
     """Apply each EMA layer in order, as :class:`~purestep.EMAStep` does (``emas`` updated)."""
-    for layer, copy in zip(parts.emas, ema_copy, strict=True):
+    for layer, modes in zip(parts.emas, ema_copy, strict=True):
         w = 1.0 - layer.decay
-        for role in layer.roles:
+        for role, mode in zip(layer.roles, modes, strict=True):
+            if mode == "skip":  # the role did not update at this step: nor does its EMA
+                continue
+            copy = mode == "copy"
             emas[role] = _average(emas[role], new_params[role], w, copy, donate)
             if getattr(layer, "buffers", False):
                 ema_bufs[role] = _average(ema_bufs[role], new_bufs[role], w, copy, donate)
@@ -234,7 +237,7 @@ def core_fn(
     lay: Layout,
     *,
     roles: Sequence[str],
-    ema_copy: Sequence[bool],
+    ema_copy: Sequence[Sequence[str]],
     plans: dict[str, Plan],
     flags: dict[str, Hashable],
     phase: Phase,
@@ -247,7 +250,8 @@ def core_fn(
         parts: the step taken apart.
         lay: the call's input layout (groups and their trees).
         roles: the due roles.
-        ema_copy: per EMA layer, whether it copies (before its ``start_step``).
+        ema_copy: per EMA layer and role: ``"avg"``, ``"copy"`` (before its
+            ``start_step``) or ``"skip"`` (the role did not update: ``with_ema(on_update=)``).
         plans: ``{role: Plan}`` for the due roles (see ``_kernels``).
         flags: ``{role: flags}`` the plans are specialised on.
         phase: ``"all"``, ``"grads"`` or ``"apply"`` (see the module docstring).

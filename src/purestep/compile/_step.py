@@ -192,7 +192,13 @@ class CompiledStep:
         step = int(state.get("step"))
         roles = train.due_roles(step)
         self._check_functional(state)
-        ema_copy = tuple(step < layer.start_step for layer in parts.emas)
+        ema_copy = tuple(
+            tuple(
+                "skip" if step % layer.period(r) else "copy" if step < layer.start_step else "avg"
+                for r in layer.roles
+            )
+            for layer in parts.emas
+        )
         key = rng.fold_in(state.get("rng"), state.get("step"))
         if self._cudagraphs and self.donate:
             first = tree.first_leaf(batch_td)
@@ -272,7 +278,7 @@ class CompiledStep:
         return plans
 
     def _run(
-        self, phase: Phase, lay: Layout, roles: Sequence[str], ema_copy: tuple[bool, ...]
+        self, phase: Phase, lay: Layout, roles: Sequence[str], ema_copy: tuple[tuple[str, ...], ...]
     ) -> tuple[Results, dict[str, HostScalars]]:
         if phase == "grads":
             ema_copy = ()  # the grads do not depend on the EMA phase
@@ -311,7 +317,7 @@ class CompiledStep:
         phase: Phase,
         lay: Layout,
         roles: Sequence[str],
-        ema_copy: tuple[bool, ...],
+        ema_copy: tuple[tuple[str, ...], ...],
         base: Hashable,
         plans: dict[str, Plan],
         flags: dict[str, Hashable],
@@ -413,7 +419,7 @@ class CompiledStep:
 def _describe(vkey: Hashable, flags: Hashable) -> str:
     base: tuple[Any, ...] = vkey[0]  # type: ignore[index]
     phase, roles, ema_copy, donate = base
-    ema = "" if not ema_copy else f", ema copy {list(ema_copy)}"
+    ema = "" if not ema_copy else f", ema {[list(m) for m in ema_copy]}"
     fl = [f"{r}: {f}" for r, f in flags if f != ()]  # type: ignore[attr-defined]
     extra = f", flags {fl}" if fl else ""
     return f"{phase}: roles {list(roles)}{ema}{extra}{', donated' if donate else ''}"

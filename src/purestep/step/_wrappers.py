@@ -40,8 +40,15 @@ class EMAStep:
     buffers: bool = False
     on_update: bool | None = None
 
-    def _follows(self, role: str) -> int:
-        """``N`` when ``role``'s EMA moves only on its own updates (every ``N`` steps), else 1."""
+    def period(self, role: str) -> int:
+        """``N`` when ``role``'s EMA moves only on its own updates (every ``N`` steps), else 1.
+
+        Example:
+            >>> from purestep import optim, train_step, value_and_grad
+            >>> gf = value_and_grad(lambda p, b, k: (p["m", "w"].sum(), {}))
+            >>> with_ema(train_step(gf, {"m": optim.sgd(0.1)}, every={"m": 3}), 0.9, ["m"]).period("m")
+            3
+        """
         every = _every_of(self.inner).get(role, 1)
         on_update = self.on_update if self.on_update is not None else every > 1
         return every if on_update else 1
@@ -84,7 +91,7 @@ class EMAStep:
             new_state = new_state.copy()  # a foreign step's output may share nodes with its input
         copy = step < self.start_step
         for role in self.roles:
-            if step % self._follows(role):
+            if step % self.period(role):
                 continue  # the role did not update at this step: nor does its EMA
             self._average(new_state, ("params", role), ("ema", role), copy)
             if self.buffers:
