@@ -43,7 +43,7 @@ def test_interrupted_generation_resumes_to_identical_files(tmp_path: Path) -> No
     part = tmp_path / "part"
     _generate(part, max_chunks=1)
     assert sorted(f.name for f in part.iterdir()) == ["chunk_000000.pt", "meta.json"]
-    (part / "chunk_000001.pt.tmp").write_bytes(b"half-written")  # a crash mid-write
+    (part / ".chunk_000001.pt.tmp-4242").write_bytes(b"half-written")  # a crash mid-write
     with pytest.raises(FileNotFoundError, match="chunk_000001"):
         kd.load_trajectories(part)
     _generate(part, max_chunks=1)

@@ -23,7 +23,32 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
-__all__ = ["replace_with", "torch_save", "write_text"]
+__all__ = ["remove_scratch", "replace_with", "torch_save", "write_text"]
+
+
+_SCRATCH = ".tmp-"
+
+
+def remove_scratch(directory: str | os.PathLike[str]) -> list[Path]:
+    """Delete the scratch files writers killed mid-write left in ``directory``; the removed paths.
+
+    Only names this module's writers use (``.<name>.tmp-<pid>``) are touched.
+
+    Example:
+        >>> import tempfile
+        >>> from pathlib import Path
+        >>> d = Path(tempfile.mkdtemp())
+        >>> _ = (d / ".a.pt.tmp-123").write_bytes(b"half")
+        >>> [p.name for p in remove_scratch(d)]
+        ['.a.pt.tmp-123']
+    """
+    removed = []
+    for p in sorted(Path(directory).glob(f".*{_SCRATCH}*")):
+        if p.is_file() and p.name.rsplit(_SCRATCH, 1)[-1].isdigit():
+            with contextlib.suppress(FileNotFoundError):
+                p.unlink()
+                removed.append(p)
+    return removed
 
 
 def replace_with(path: str | os.PathLike[str], write: Callable[[IO[bytes]], Any]) -> None:
@@ -38,7 +63,7 @@ def replace_with(path: str | os.PathLike[str], write: Callable[[IO[bytes]], Any]
         b'xy'
     """
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = path.with_name(f".{path.name}{_SCRATCH}{os.getpid()}")
     try:
         with open(tmp, "wb") as fh:
             write(fh)

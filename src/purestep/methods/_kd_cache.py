@@ -18,7 +18,7 @@ from tensordict import TensorDict, TensorDictBase
 from torch import nn
 
 from purestep import rng, tree
-from purestep._atomic import torch_save, write_text
+from purestep._atomic import remove_scratch, torch_save, write_text
 from purestep.methods import flow
 from purestep.methods.flow import Purpose
 
@@ -180,6 +180,7 @@ def generate_trajectories(
     cache = Path(cache_dir)
     cache.mkdir(parents=True, exist_ok=True)
     _check_meta(cache, meta)
+    remove_scratch(cache)  # chunks a killed run was writing: rewritten below
     t_params = teacher_params.detach() if teacher_params is not None else None
     noise_key = flow.purpose_key(key, Purpose.NOISE)
     n_chunks = math.ceil(num_samples / chunk_size)
