@@ -20,7 +20,7 @@ from purestep.compile._core import OutSpec
 from purestep.compile._kernels import HostScalars
 from purestep.compile._plan import Layout, Parts
 from purestep.optim import current_lr
-from purestep.step import NonFiniteError
+from purestep.step import set_skip, skip_update
 
 __all__ = ["Results", "finish", "skipped", "write_params"]
 
@@ -79,18 +79,6 @@ def _next_step(out: TensorDictBase, state: TensorDictBase, donate: bool) -> None
         out.set("step", state.get("step") + 1)
 
 
-def _set_skip(
-    out: TensorDictBase, state: TensorDictBase, *, consecutive: int, total_inc: int, donate: bool
-) -> None:
-    total = state.get(("skip", "total"))
-    if donate:
-        out.get(("skip", "consecutive")).fill_(consecutive)
-        total.add_(total_inc)
-    else:
-        out.set(("skip", "consecutive"), torch.tensor(consecutive, dtype=torch.int64))
-        out.set(("skip", "total"), total + total_inc)
-
-
 def finish(
     parts: Parts,
     state: TensorDictBase,
@@ -126,7 +114,7 @@ def finish(
         out.set("buffers", tree.plain_td(dict(buffers)))
     _next_step(out, state, donate)
     if train.skip_nonfinite:
-        _set_skip(out, state, consecutive=0, total_inc=0, donate=donate)
+        set_skip(out, state, consecutive=0, total_inc=0, donate=donate)
         metrics.set("skipped", torch.zeros((), dtype=torch.bool))
     for r in spec.updated:
         lr = current_lr(out.get(("opt_state", r)))
@@ -142,17 +130,7 @@ def skipped(
 ) -> tuple[TensorDict, TensorDict]:
     """A step whose loss or grads were not finite: only ``step`` and the skip counters move."""
     train = parts.train
-    consecutive = int(state.get(("skip", "consecutive"))) + 1
-    if train.max_consecutive is not None and consecutive > train.max_consecutive:
-        raise NonFiniteError(
-            f"{consecutive} consecutive steps with a non-finite loss or gradient "
-            f"(max_consecutive={train.max_consecutive}), last at step {step}"
-        )
-    out = state if train.donate else state.copy()
-    _next_step(out, state, train.donate)
-    _set_skip(out, state, consecutive=consecutive, total_inc=1, donate=train.donate)
-    metrics.set("skipped", torch.ones((), dtype=torch.bool))
-    return out, metrics
+    return skip_update(state, metrics, donate=train.donate, max_consecutive=train.max_consecutive)
 
 
 def write_params(state: TensorDictBase, res: Results, donate: bool) -> TensorDictBase:

@@ -15,7 +15,16 @@ from purestep.step._call import call, call_scope, recording_modules
 from purestep.step._context import Microbatch, current_microbatch, live_roles
 from purestep.step._grad import GradFn, LossFn, value_and_grad
 from purestep.step._swap import ModuleInUseError, module_tensors
-from purestep.step._train import NonFiniteError, Step, TrainStep, apply_gradients, train_step
+from purestep.step._train import (
+    NonFiniteError,
+    Step,
+    TrainStep,
+    add_skip_counters,
+    apply_gradients,
+    set_skip,
+    skip_update,
+    train_step,
+)
 from purestep.step._wrappers import EMAStep, skip_nonfinite, with_ema
 
 __all__ = [
@@ -29,6 +38,7 @@ __all__ = [
     "Step",
     "TrainStep",
     "accumulate",
+    "add_skip_counters",
     "apply_gradients",
     "as_batch",
     "batch_size",
@@ -42,7 +52,9 @@ __all__ = [
     "recording_modules",
     "register_bound_backward_hook",
     "register_bound_metrics_hook",
+    "set_skip",
     "skip_nonfinite",
+    "skip_update",
     "train_step",
     "value_and_grad",
     "with_ema",

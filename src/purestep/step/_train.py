@@ -199,17 +199,7 @@ class TrainStep:
     def _skipped(
         self, state: TensorDictBase, metrics: TensorDict, step: int
     ) -> tuple[TensorDict, TensorDict]:
-        consecutive = int(state.get(("skip", "consecutive"))) + 1
-        if self.max_consecutive is not None and consecutive > self.max_consecutive:
-            raise NonFiniteError(
-                f"{consecutive} consecutive steps with a non-finite loss or gradient "
-                f"(max_consecutive={self.max_consecutive}), last at step {step}"
-            )
-        out = state if self.donate else state.copy()
-        _next_step(state, out, self.donate)
-        set_skip(out, state, consecutive=consecutive, total_inc=1, donate=self.donate)
-        metrics.set("skipped", torch.ones((), dtype=torch.bool))
-        return out, metrics
+        return skip_update(state, metrics, donate=self.donate, max_consecutive=self.max_consecutive)
 
 
 def _takes(fn: Any, name: str) -> bool:
@@ -319,8 +309,48 @@ def _all_finite(metrics: TensorDictBase, norms: Mapping[str, torch.Tensor]) -> t
     return torch.stack([c.cpu() for c in checks]).all()
 
 
+def skip_update(
+    state: TensorDictBase,
+    metrics: TensorDict,
+    *,
+    donate: bool,
+    max_consecutive: int | None,
+) -> tuple[TensorDict, TensorDict]:
+    """The result of a step whose update is discarded: only ``step`` and the skip counters move.
+
+    The shared ending of every ``skip_nonfinite`` path (a train step's, a wrapper's, a
+    compiled step's): counts the skip, raises :class:`NonFiniteError` past
+    ``max_consecutive`` consecutive skips, and sets the ``skipped`` metric.
+
+    Example:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> s = add_skip_counters(TensorDict({"step": torch.tensor(4)}, []))
+        >>> out, m = skip_update(s, TensorDict({}, []), donate=False, max_consecutive=None)
+        >>> int(out["step"]), int(out["skip", "total"]), bool(m["skipped"])
+        (5, 1, True)
+    """
+    consecutive = int(state.get(("skip", "consecutive"))) + 1
+    if max_consecutive is not None and consecutive > max_consecutive:
+        raise NonFiniteError(
+            f"{consecutive} consecutive steps with a non-finite loss or gradient "
+            f"(max_consecutive={max_consecutive}), last at step {int(state.get('step'))}"
+        )
+    out = cast(TensorDict, state) if donate else state.copy()
+    _next_step(state, out, donate)
+    set_skip(out, state, consecutive=consecutive, total_inc=1, donate=donate)
+    metrics.set("skipped", torch.ones((), dtype=torch.bool))
+    return out, metrics
+
+
 def add_skip_counters(state: TensorDictBase) -> TensorDict:
-    """``state`` with ``state["skip", "total" | "consecutive"]`` (int64 zeros) where missing."""
+    """``state`` with ``state["skip", "total" | "consecutive"]`` (int64 zeros) where missing.
+
+    Example:
+        >>> from tensordict import TensorDict
+        >>> sorted(add_skip_counters(TensorDict({}, []))["skip"].keys())
+        ['consecutive', 'total']
+    """
     if "skip" in state.keys():
         return cast(TensorDict, state)
     out = state.copy()
@@ -332,6 +362,16 @@ def add_skip_counters(state: TensorDictBase) -> TensorDict:
 def set_skip(
     out: TensorDictBase, state: TensorDictBase, *, consecutive: int, total_inc: int, donate: bool
 ) -> None:
+    """Write the skip counters of ``out`` from ``state``'s (in place when ``donate``).
+
+    Example:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> s = add_skip_counters(TensorDict({}, []))
+        >>> set_skip(s, s, consecutive=0, total_inc=0, donate=True)
+        >>> int(s["skip", "consecutive"])
+        0
+    """
     total = state.get(("skip", "total"))
     if donate:
         out.get(("skip", "consecutive")).fill_(consecutive)

@@ -19,7 +19,7 @@ from tensordict import TensorDict, TensorDictBase
 
 from purestep import _compat, tree
 from purestep.step._batch import Batch
-from purestep.step._train import NonFiniteError, Step, TrainStep, add_skip_counters, set_skip
+from purestep.step._train import Step, TrainStep, add_skip_counters, set_skip, skip_update
 
 __all__ = ["EMAStep", "SkipNonFinite", "skip_nonfinite", "with_ema"]
 
@@ -190,18 +190,7 @@ class SkipNonFinite:
             set_skip(out, state, consecutive=0, total_inc=0, donate=False)
             metrics.set("skipped", torch.zeros((), dtype=torch.bool))
             return out, metrics
-        step = int(state.get("step"))
-        consecutive = int(state.get(("skip", "consecutive"))) + 1
-        if self.max_consecutive is not None and consecutive > self.max_consecutive:
-            raise NonFiniteError(
-                f"{consecutive} consecutive steps with a non-finite loss or gradient "
-                f"(max_consecutive={self.max_consecutive}), last at step {step}"
-            )
-        out = state.copy()
-        out.set("step", state.get("step") + 1)
-        set_skip(out, state, consecutive=consecutive, total_inc=1, donate=False)
-        metrics.set("skipped", torch.ones((), dtype=torch.bool))
-        return out, metrics
+        return skip_update(state, metrics, donate=False, max_consecutive=self.max_consecutive)
 
 
 _OWN_STEPS = (TrainStep, EMAStep, SkipNonFinite)
