@@ -18,6 +18,8 @@ backend, ``backend(gm, example_inputs) -> callable``.
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -67,12 +69,15 @@ def compile_graph(
     if backend == "eager":
         return gm
     if backend == "inductor":
+        kwargs: dict[str, Any] = {}
+        if _takes_donate_graph_module():  # torch >= 2.12: inductor may consume gm (no copy)
+            kwargs["donate_graph_module"] = True
         artifact = torch._inductor.standalone_compile(
             gm,
             list(example_inputs),
             dynamic_shapes="from_graph" if dynamic else "from_example_inputs",
             options={"config_patches": options} if options else {},
-            donate_graph_module=True,
+            **kwargs,
         )
         return artifact
     if isinstance(backend, str):
@@ -82,3 +87,8 @@ def compile_graph(
         )
     fn = backend(gm, list(example_inputs))
     return fn  # type: ignore[no-any-return]
+
+
+@functools.cache
+def _takes_donate_graph_module() -> bool:
+    return "donate_graph_module" in inspect.signature(torch._inductor.standalone_compile).parameters
