@@ -59,7 +59,15 @@ from purestep.methods import dmd2, finetune, flow
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from digits import DigitClassifier, load_digits_split, train_classifier
-from toy_common import Timer, gaussian_frechet, image_grid, override, seeded, write_json
+from toy_common import (
+    Timer,
+    gaussian_frechet,
+    image_grid,
+    override,
+    seeded,
+    shuffled_batches,
+    write_json,
+)
 
 FULL: dict[str, Any] = {
     "layers": 2,
@@ -184,8 +192,6 @@ class Batches:
         self.data, self.batch, self.key, self.preempt_at = data, batch, key, preempt_at
 
     def __iter__(self) -> Iterator[TensorDictBase]:
-        from toy_common import shuffled_batches
-
         for i, b in enumerate(shuffled_batches(self.data, self.batch, key=self.key)):
             if i == self.preempt_at:
                 os.kill(os.getpid(), signal.SIGTERM)
