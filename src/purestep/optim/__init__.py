@@ -23,6 +23,7 @@ from purestep.optim._base import (
 from purestep.optim._clip import clip_by_global_norm
 from purestep.optim._hparams import AdamHParams, ClipHParams, LionHParams, SGDHParams
 from purestep.optim._lion import lion
+from purestep.optim._mixed import mixed_precision
 from purestep.optim._muon import MuonHParams, is_matrix, muon
 from purestep.optim._scale import scale_by_schedule
 from purestep.optim._sgd import sgd
@@ -44,6 +45,7 @@ __all__ = [
     "current_lr",
     "is_matrix",
     "lion",
+    "mixed_precision",
     "muon",
     "scale_by_schedule",
     "schedules",
