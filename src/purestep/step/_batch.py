@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections.abc import Mapping
 from typing import Any
@@ -86,7 +87,8 @@ def _known_distinct(idx: torch.Tensor) -> bool:
 def _remember_distinct(idx: torch.Tensor) -> None:
     key = id(idx)
     if len(_DISTINCT) >= 64:
-        del _DISTINCT[next(iter(_DISTINCT))]
+        with contextlib.suppress(RuntimeError, StopIteration, KeyError):  # another thread
+            del _DISTINCT[next(iter(_DISTINCT))]
     _DISTINCT[key] = (weakref.ref(idx, lambda _: _DISTINCT.pop(key, None)), idx._version)
 
 

@@ -291,22 +291,24 @@ class TrainStep:
                 metrics.set((role, "lr"), lr)
             if role in norms:
                 metrics.set((role, "grad_norm"), norms[role])
-        remember(out, {r: self.optimizers[r] for r in updated})
+        remember(out, self.optimizers)  # updated roles: the optimizers' output; others: copies
         return out, metrics
 
     def _skipped(
         self, entry: TensorDictBase, state: TensorDictBase, metrics: TensorDict, step: int
     ) -> tuple[TensorDict, TensorDict]:
         if not self.donate:
-            return skip_update(state, metrics, donate=False, max_consecutive=self.max_consecutive)
-        # a donated step returns a new top-level node (its input is marked donated)
-        out = skip_update(
-            fresh_top(state), metrics, donate=True, max_consecutive=self.max_consecutive
-        )
-        what = f"a donated train_step at step {step} (skipped)"
-        mark_donated(entry, what)
-        if state is not entry:
-            mark_donated(state, what)
+            out = skip_update(state, metrics, donate=False, max_consecutive=self.max_consecutive)
+        else:
+            # a donated step returns a new top-level node (its input is marked donated)
+            out = skip_update(
+                fresh_top(state), metrics, donate=True, max_consecutive=self.max_consecutive
+            )
+            what = f"a donated train_step at step {step} (skipped)"
+            mark_donated(entry, what)
+            if state is not entry:
+                mark_donated(state, what)
+        remember(out[0], self.optimizers)
         return out
 
 

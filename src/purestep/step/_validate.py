@@ -18,10 +18,13 @@ Cost: the checks that walk every leaf run once per *structure*. A role's
 (params, opt_state) pair that passed is remembered by the identity of its two
 TensorDict nodes, and the nodes a purestep step returns are registered as
 they are built (the optimizer made them from checked nodes), so a training
-loop pays a few dictionary lookups per role and step, donated or not. A state
-edited in place *between* steps (a leaf replaced inside a node that was
-already checked) is not re-checked; replacing a role's subtree
-(``state["params", role] = ...``) or building a new state is.
+loop pays a few dictionary lookups per role and step, donated or not.
+Replacing a role's subtree (``state["params", role] = ...``), loading or
+building a state gives new nodes, checked in full. A leaf replaced *in place*
+inside a node that was already checked is not re-checked up front; when the
+forward or the optimizer then fails, the step calls :func:`diagnose` (the
+check without the cache) and raises the ``StateError`` naming the key instead
+of the kernel's message.
 
 Example:
     >>> import torch
@@ -33,8 +36,7 @@ Example:
     ...                     "rng": torch.zeros((), dtype=torch.int64),
     ...                     "step": torch.zeros((), dtype=torch.int64)}, [])
     >>> check_state(state, opt, who="train_step")
-    >>> del state["params", "m", "w"]
-    >>> state["params", "m", "v"] = torch.ones(2)
+    >>> state["params", "m"] = TensorDict({"v": torch.ones(2)}, [])  # a new subtree: checked
     >>> check_state(state, opt, who="train_step")
     Traceback (most recent call last):
     ...
@@ -89,6 +91,12 @@ def _keys(td: TensorDictBase) -> list[str]:
     return list(td._tensordict) if type(td) is TensorDict else [str(k) for k in td.keys()]
 
 
+def _drop_oldest(cache: dict[Any, Any]) -> None:
+    """Remove the first-inserted entry (another thread may be changing the dict too)."""
+    with contextlib.suppress(RuntimeError, StopIteration, KeyError):
+        del cache[next(iter(cache))]
+
+
 def _known(a: object, b: object, tag: object) -> bool:
     entry = _CHECKED.get((id(a), id(b), id(tag)))
     return entry is not None and entry[0]() is a and entry[1]() is b and entry[2] is tag
@@ -101,7 +109,7 @@ def _remember(a: object, b: object, tag: object) -> None:
         if entry[0]() is a and entry[1]() is b and entry[2] is tag:
             return
     if len(_CHECKED) >= _CACHE_SIZE:
-        del _CHECKED[next(iter(_CHECKED))]  # the oldest entry
+        _drop_oldest(_CHECKED)
     with contextlib.suppress(TypeError):  # a node type without weak references: not kept
         _CHECKED[key] = (weakref.ref(a), weakref.ref(b), tag)
 
@@ -287,10 +295,8 @@ def _check_role(
                 "must be floating point (integer tensors belong in state['buffers'])",
                 path=("params", role, *path),
             )
-    meta = tree.rebuild(p, [torch.empty(t.shape, dtype=t.dtype, device="meta") for t in pleaves])
-    try:
-        expected = transform.init(meta)
-    except Exception:  # a transform whose init cannot run on meta tensors: nothing to compare
+    expected = _expected_state(p, ppaths, pleaves, transform)
+    if expected is None:
         return
     problems = _Problems(role)
     other: list[str] = []
@@ -311,6 +317,33 @@ def _check_role(
             "parameters: change them together, or rebuild the state with init_state",
             path=path,
         )
+
+
+# (id(transform), params signature) -> (transform, its init on meta params): a few entries
+_EXPECTED: dict[tuple[int, tuple[Any, ...]], tuple[Transform, TensorDict | None]] = {}
+
+
+def _expected_state(
+    p: TensorDictBase, ppaths: list[KeyPath], pleaves: list[torch.Tensor], transform: Transform
+) -> TensorDict | None:
+    """``transform.init`` of params like ``p`` (on ``meta``: no memory), per params signature.
+
+    None when the transform cannot init on meta tensors (nothing to compare).
+    """
+    sig = tuple((path, t.shape, t.dtype) for path, t in zip(ppaths, pleaves, strict=True))
+    key = (id(transform), sig)
+    hit = _EXPECTED.get(key)
+    if hit is not None and hit[0] is transform:
+        return hit[1]
+    meta = tree.rebuild(p, [torch.empty(t.shape, dtype=t.dtype, device="meta") for t in pleaves])
+    try:
+        expected: TensorDict | None = transform.init(meta)
+    except Exception:  # a transform whose init cannot run on meta tensors
+        expected = None
+    if len(_EXPECTED) >= 32:
+        _drop_oldest(_EXPECTED)
+    _EXPECTED[key] = (transform, expected)
+    return expected
 
 
 class _Problems:
@@ -536,17 +569,28 @@ _EXACT_OVERLAP_LIMIT = 1 << 24  # elements; larger gapped tensors whose spans me
 
 def _span(t: torch.Tensor) -> tuple[tuple[str, int | None], int, int] | None:
     """``(device, first byte, end byte)`` of the memory ``t`` can reach, or None (empty, meta)."""
-    t = tree.local(t)
-    if t.numel() == 0 or t.device.type == "meta":
+    if type(t) is not torch.Tensor:
+        t = tree.local(t)
+    n = t.numel()
+    if n == 0 or t.is_meta:
         return None
     try:
-        base = t.untyped_storage().data_ptr()
+        start = int(t.data_ptr())
     except (RuntimeError, NotImplementedError):  # tensor subclasses without storage
         return None
-    size = int(t.element_size())
-    start = int(base) + int(t.storage_offset()) * size
-    reach = sum(int(n - 1) * int(s) for n, s in zip(t.shape, t.stride(), strict=True))
-    return (t.device.type, t.device.index), start, start + (reach + 1) * size
+    if t.is_contiguous():
+        reach = n - 1
+    else:
+        reach = sum(int(k - 1) * int(s) for k, s in zip(t.shape, t.stride(), strict=True))
+    device = t.device
+    return (device.type, device.index), start, start + (reach + 1) * int(t.element_size())
+
+
+def _self_overlapping(t: torch.Tensor) -> bool:
+    """A stride of 0 over a dimension of size > 1 (an expanded tensor)."""
+    return not t.is_contiguous() and any(
+        s == 0 and n > 1 for n, s in zip(t.shape, t.stride(), strict=True)
+    )
 
 
 def _dense(t: torch.Tensor) -> bool:
@@ -605,10 +649,10 @@ def shared_memory(items: Iterable[tuple[KeyPath, torch.Tensor]]) -> list[tuple[K
         span = _span(t)
         if span is None:
             continue
-        if any(s == 0 and n > 1 for n, s in zip(t.shape, t.stride(), strict=True)):
+        if _self_overlapping(t):
             found.append((path, path))
         spans.append((*span, i))
-    spans.sort(key=lambda s: (str(s[0]), s[1], s[2], s[3]))
+    spans.sort(key=lambda s: (s[0][0], -1 if s[0][1] is None else s[0][1], s[1], s[2], s[3]))
     for j, (dev, _start, end, i) in enumerate(spans):
         for dev2, start2, _end2, i2 in spans[j + 1 :]:
             if dev2 != dev or start2 >= end:
