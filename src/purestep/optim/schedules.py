@@ -147,7 +147,7 @@ class _Constant:
         _count(count)
         return self.value
 
-    def _first_below(self, threshold: float) -> int | None:
+    def first_below(self, threshold: float) -> int | None:
         return 0 if self.value < threshold else None
 
     def __repr__(self) -> str:
@@ -166,7 +166,7 @@ class _Linear:
     def __call__(self, count: int | torch.Tensor, /) -> float:
         return _linear(self.start, self.end, self.steps, _count(count))
 
-    def _first_below(self, threshold: float) -> int | None:
+    def first_below(self, threshold: float) -> int | None:
         return _ramp_first_below(self, self.start, self.end, self.steps, threshold)
 
     def __repr__(self) -> str:
@@ -185,7 +185,7 @@ class _CosineDecay:
     def __call__(self, count: int | torch.Tensor, /) -> float:
         return _cosine(self.init, self.end, self.steps, _count(count))
 
-    def _first_below(self, threshold: float) -> int | None:
+    def first_below(self, threshold: float) -> int | None:
         return _ramp_first_below(self, self.init, self.end, self.steps, threshold)
 
     def __repr__(self) -> str:
@@ -228,7 +228,7 @@ class _Join:
         i = bisect.bisect_right(self.boundaries, n)
         return float(self.schedules[i](n - self.boundaries[i - 1] if i else n))
 
-    def _first_below(self, threshold: float) -> int | None:
+    def first_below(self, threshold: float) -> int | None:
         starts = (0, *self.boundaries)
         for i, sched in enumerate(self.schedules):
             window = self.boundaries[i] - starts[i] if i < len(self.boundaries) else None
@@ -269,7 +269,7 @@ class _PiecewiseConstant:
     def __call__(self, count: int | torch.Tensor, /) -> float:
         return self._values[bisect.bisect_right(self._bounds, _count(count))]
 
-    def _first_below(self, threshold: float) -> int | None:
+    def first_below(self, threshold: float) -> int | None:
         for i, v in enumerate(self._values):
             if v < threshold:
                 return self._bounds[i - 1] if i else 0
@@ -465,7 +465,7 @@ class _InSteps:
     def __call__(self, count: int | torch.Tensor) -> float:
         return float(self.schedule(_count(count) * self.every))
 
-    def _first_below(self, threshold: float) -> int | None:
+    def first_below(self, threshold: float) -> int | None:
         # The first update n with schedule(n * every) < threshold: none before the
         # first update at or after the schedule's first count below it. If that
         # update is not below (a schedule that comes back up in between), the
@@ -529,11 +529,9 @@ def first_count_below(schedule: Callable[[int], float], threshold: float = 0.0) 
         >>> first_count_below(lambda n: -1.0) is None  # opaque
         True
     """
-    find = getattr(schedule, "_first_below", None)
-    if find is None or not isinstance(schedule, _SCHEDULE_TYPES):
+    if not isinstance(schedule, _SCHEDULE_TYPES):
         return None
-    found: int | None = find(threshold)
-    return found
+    return schedule.first_below(threshold)
 
 
 _SCHEDULE_TYPES = (_Constant, _Linear, _CosineDecay, _Join, _PiecewiseConstant, _InSteps)

@@ -39,7 +39,7 @@ from purestep.errors import DonatedStateError
 
 __all__ = ["check_live", "fresh_top", "is_donated", "mark_donated"]
 
-_MARK = "_purestep_donated"
+_MARK = "purestep_donated"
 # States without a ``__dict__`` (other TensorDictBase types): id -> (weak reference, mark).
 _OTHER: dict[int, tuple[weakref.ref[Any], str]] = {}
 
