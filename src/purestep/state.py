@@ -24,8 +24,8 @@ from torch import nn
 
 from purestep import rng, tree
 from purestep._layout import layout_of
+from purestep._sharing import shared_memory, sharing_message
 from purestep.errors import StateError
-from purestep.step import shared_memory, sharing_message
 
 __all__ = ["ParamSource", "buffers_of", "init_state", "params_of", "roles", "variables"]
 

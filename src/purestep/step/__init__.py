@@ -26,7 +26,7 @@ from purestep.step._train import (
     skip_update,
     train_step,
 )
-from purestep.step._validate import check_state, shared_memory, sharing_message
+from purestep.step._validate import check_state
 from purestep.step._wrappers import EMAStep, skip_nonfinite, with_ema
 
 __all__ = [
@@ -58,8 +58,6 @@ __all__ = [
     "register_bound_backward_hook",
     "register_bound_metrics_hook",
     "set_skip",
-    "shared_memory",
-    "sharing_message",
     "skip_nonfinite",
     "skip_update",
     "train_step",
