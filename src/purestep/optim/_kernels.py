@@ -78,7 +78,7 @@ def checked_lr(lr: ScalarOrSchedule, count: int, who: str) -> float:
         >>> checked_lr(lambda n: 0.1 - 0.05 * n, 3, "adamw")
         Traceback (most recent call last):
         ...
-        purestep.errors.ScheduleError: adamw: the learning rate at update 3 (count 3) is -0.05...; it must be finite and >= 0 (check the schedule)
+        purestep.errors.ScheduleError: adamw: the learning rate at update 3 is -0.05...; it must be finite and >= 0 (check the schedule)
     """
     try:
         x = lr_at(lr, count)
@@ -88,8 +88,8 @@ def checked_lr(lr: ScalarOrSchedule, count: int, who: str) -> float:
         ) from e
     if not math.isfinite(x) or x < 0:
         raise ScheduleError(
-            f"{who}: the learning rate at update {count} (count {count}) is {x!r}; it must be "
-            "finite and >= 0 (check the schedule)",
+            f"{who}: the learning rate at update {count} is {x!r}; it must be finite and >= 0 "
+            "(check the schedule)",
             count=count,
         )
     return x
