@@ -133,6 +133,13 @@ def _duplicate_index() -> Run:
     return (lambda: s.step(s.state, batch)), [s.state]
 
 
+def _duplicate_index_compiled() -> Run:
+    s = _setup()
+    step = ps.compile(s.step, backend="eager")  # the host checks the batch before the graph
+    batch = {**BATCH, "index": torch.tensor([5, 3, 5, 0])}
+    return (lambda: step(s.state, batch)), [s.state]
+
+
 def _duplicate_index_under_accumulate() -> Run:
     net = _net()
     opts = {"student": optim.sgd(0.1)}
@@ -354,6 +361,12 @@ CASES = [
     Case("B=0 dict batch", _empty_batch, errors.BatchError, "B=0"),
     Case("B=0 TensorDict batch", _empty_tensordict_batch, errors.BatchError, "B=0"),
     Case("duplicate index", _duplicate_index, errors.BatchError, "5 at positions [0, 2]"),
+    Case(
+        "duplicate index, compiled",
+        _duplicate_index_compiled,
+        errors.BatchError,
+        "5 at positions [0, 2]",
+    ),
     Case(
         "duplicate index, accumulate",
         _duplicate_index_under_accumulate,

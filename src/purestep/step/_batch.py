@@ -121,6 +121,8 @@ def check_index(idx: object) -> torch.Tensor:
         )
     if _known_distinct(idx):
         return idx
+    if type(idx) is not torch.Tensor or torch.compiler.is_compiling():
+        return idx  # traced (purestep.compile, torch.compile): no values; checked on the host
     if idx.numel() > 1:
         values = torch.sort(idx).values
         same = values[1:] == values[:-1]
