@@ -664,9 +664,9 @@ def test_a_checkpoint_with_other_keys_lists_them(tmp_path: Path) -> None:
     """Resuming a state from a checkpoint of a different model lists missing and unexpected keys."""
     step, state = _model()
     _run(step, snapshot(state), _batches(1), num_steps=1, checkpoint_dir=tmp_path)
-    other = snapshot(state)
-    other["params", "m", "w3"] = torch.zeros(2)
-    other["opt_state"] = other["opt_state"].exclude(("m", "mu", "w1"))
+    # a consistent state of another model: w1 gone, w3 added (in params and optimizer state)
+    other_params = TensorDict({"w2": torch.zeros(1, 8), "w3": torch.zeros(2)}, [])
+    other = ps.init_state({"m": other_params}, {"m": ps.optim.adamw(1e-2)}, seed=3)
     with pytest.raises(ValueError, match=r"(?s)cannot resume.*params\.m\.w3.*opt_state\.m\.mu\.w1"):
         _run(step, other, _batches(1), num_steps=3, checkpoint_dir=tmp_path)
     with pytest.raises(ValueError, match="already holds checkpoints"):

@@ -455,7 +455,7 @@ def test_outer_step_errors_name_the_problem() -> None:
     bad_reward = nft.make_step(
         net,
         lambda x, c: x,
-        optim.sgd(0.1),
+        optim.adamw(1e-2),  # the optimizer the state was built for (_state)
         reference_params=None,
         sample_shape=(2,),
         config=nft.NFTConfig(kl_weight=0.0, cond_keys=("label",)),

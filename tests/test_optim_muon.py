@@ -15,6 +15,7 @@ from torch import nn
 from _imperative import assert_same_as_imperative, mse, randn, regression_batches
 from _optim import as_tree, make_data, one_rank_mesh, run_ours
 from purestep import optim, tree
+from purestep.errors import ScheduleError
 from purestep.optim import schedules
 
 
@@ -83,13 +84,15 @@ def test_bf16_momentum_buffer_without_nesterov_is_the_average_of_the_grads() -> 
 
 def test_an_adam_lr_schedule_that_goes_negative_raises_before_anything_changes() -> None:
     """adam_lr is checked at every update's count, naming it, before any buffer is written
-    (donated ones included)."""
-    opt = optim.muon(lr=0.01, adam_lr=schedules.linear(0.1, -0.1, 4))
+    (donated ones included); purestep's own schedules are refused when muon is built."""
+    with pytest.raises(ScheduleError, match=r"adam_lr: the schedule linear.* at count 3"):
+        optim.muon(lr=0.01, adam_lr=schedules.linear(0.1, -0.1, 4))
+    opt = optim.muon(lr=0.01, adam_lr=lambda n: 0.1 - 0.05 * n)  # opaque: checked per update
     init, grads = make_data([(3, 2), (4,)], 0, torch.float32, steps=4)
     params, state = run_ours(opt, init, grads[:3], donate=True)
     before = [tree.clone(params), tree.clone(state)]
     with pytest.raises(
-        ValueError, match=r"muon \(adam_lr\): the learning rate at update 3 is -0\.05"
+        ScheduleError, match=r"muon \(adam_lr\): the learning rate at update 3 is -0\.05"
     ):
         opt.step(as_tree(grads[3]), state, params, donate=True)
     assert tree.leaves(before[0]) and all(

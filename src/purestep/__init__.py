@@ -21,8 +21,17 @@ import importlib
 from types import ModuleType
 from typing import TYPE_CHECKING
 
-from purestep import export, optim, rng, tree
+from purestep import errors, export, optim, rng, tree
 from purestep.compile import CompiledStep, CompileStats, compile
+from purestep.errors import (
+    BatchError,
+    DonatedStateError,
+    ModuleInUseError,
+    PurestepError,
+    RoleError,
+    ScheduleError,
+    StateError,
+)
 from purestep.state import buffers_of, init_state, params_of, roles, variables
 from purestep.step import (
     EMAStep,
@@ -56,10 +65,17 @@ def __getattr__(name: str) -> ModuleType:
 
 
 __all__ = [
+    "BatchError",
     "CompileStats",
     "CompiledStep",
+    "DonatedStateError",
     "EMAStep",
+    "ModuleInUseError",
     "NonFiniteError",
+    "PurestepError",
+    "RoleError",
+    "ScheduleError",
+    "StateError",
     "Step",
     "TrainStep",
     "__version__",
@@ -71,6 +87,7 @@ __all__ = [
     "checkpoint",
     "compile",
     "current_microbatch",
+    "errors",
     "export",
     "init_state",
     "live_roles",

@@ -107,13 +107,26 @@ def shape(shape: ShapeLike, fn: str) -> tuple[int, ...]:
     if isinstance(shape, torch.Tensor | str):
         raise TypeError(f"{fn}: shape must be an int or a sequence of ints, got {describe(shape)}")
     dims = [shape] if not isinstance(shape, Sequence) else list(shape)
-    return tuple(
+    out = tuple(
         # a symbolic size (a batch traced by purestep.compile(dynamic=True)) stays symbolic
         d
         if isinstance(d, torch.SymInt)
         else as_int(d, f"{fn}: shape {tuple(dims)!r} entry", 0, I64_MAX)
         for d in dims
     )
+    if any(isinstance(d, torch.SymInt) for d in out):
+        return out  # its element count is checked where it is concrete
+    n = math.prod(out)
+    if n > MAX_ELEMENTS:
+        raise ValueError(
+            f"{fn}: shape {out} has {n} elements (about 2**{n.bit_length() - 1}), more than a "
+            f"tensor can index (at most 2**{MAX_ELEMENTS.bit_length() - 1}); check the shape"
+        )
+    return out
+
+
+# Draws index their words with int64 arithmetic and take up to two words per element.
+MAX_ELEMENTS = 1 << 62
 
 
 def check_index(index: object, fn: str) -> torch.Tensor:

@@ -24,6 +24,8 @@ from torch import nn
 
 from purestep import rng, tree
 from purestep._layout import layout_of
+from purestep._sharing import shared_memory, sharing_message
+from purestep.errors import StateError
 
 __all__ = ["ParamSource", "buffers_of", "init_state", "params_of", "roles", "variables"]
 
@@ -180,7 +182,12 @@ def init_state(
     Raises:
         ValueError: an optimizer for a role that has no params, a role with no
             trainable params, a dotted leaf key.
-        TypeError: a non-floating param, an optimizer that is not a Transform.
+        TypeError: a non-floating param, an optimizer that is not a Transform,
+            ``params``/``optimizers`` that are not mappings.
+        StateError: two leaves share memory (the same TensorDict given for two
+            roles, one tensor under two keys, an expanded tensor): a donated
+            step would update that memory twice. Modules are copied, so only
+            TensorDicts given as they are can do this; pass ``td.clone()``.
 
     Example:
         >>> from torch import nn
@@ -189,8 +196,19 @@ def init_state(
         >>> sorted(state.keys())
         ['opt_state', 'params', 'rng', 'step']
     """
+    for name, arg, what in (
+        ("params", params, "{role: module or TensorDict}"),
+        ("optimizers", optimizers, "{role: Transform} (may be empty)"),
+    ):
+        if not isinstance(arg, Mapping) or isinstance(arg, TensorDictBase | nn.Module):
+            raise TypeError(
+                f"init_state: {name} is a {type(arg).__name__}; expected a mapping {what}, "
+                "e.g. init_state({'student': model}, {'student': optim.adamw(1e-3)}, seed=0)"
+            )
     if not params:
         raise ValueError("init_state: params is empty; pass {role: module or TensorDict}")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"init_state: seed must be an int, got {seed!r}")
     unknown = sorted(set(optimizers) - set(params))
     if unknown:
         raise ValueError(
@@ -208,6 +226,7 @@ def init_state(
         found = _source_buffers(role, src)
         if found is not None:
             role_buffers[role] = found
+    _check_no_sharing(role_params, role_buffers)
     opt_state = {role: opt.init(role_params[role]) for role, opt in optimizers.items()}
     content: dict[str, Any] = {
         "params": TensorDict(role_params, batch_size=[]),
@@ -221,6 +240,20 @@ def init_state(
     if extra is not None:
         state["extra"] = extra if isinstance(extra, TensorDictBase) else TensorDict(extra, [])
     return state
+
+
+def _check_no_sharing(
+    role_params: Mapping[str, TensorDictBase], role_buffers: Mapping[str, TensorDictBase]
+) -> None:
+    items: list[tuple[tree.KeyPath, torch.Tensor]] = []
+    for kind, trees in (("params", role_params), ("buffers", role_buffers)):
+        for role, td in trees.items():
+            items.extend(
+                ((kind, role, *p), t) for p, t in zip(tree.paths(td), tree.leaves(td), strict=True)
+            )
+    shared = shared_memory(items)
+    if shared:
+        raise StateError(sharing_message("init_state", shared), path=shared[0][0])
 
 
 def roles(state: TensorDictBase) -> list[str]:

@@ -6,9 +6,12 @@ fails at construction with the field's name (``adamw(lr=-1.0)`` raises
 ``Transform.hparams``.
 
 ``lr`` is a float or a schedule ``count -> lr`` (see
-:mod:`purestep.optim.schedules`); a schedule is checked here at count 0 and
-by every update at the count it applies (a negative or non-finite value raises
-there, before anything changes).
+:mod:`purestep.optim.schedules`). One of purestep's schedules is checked here
+over its whole domain (``adamw(lr=schedules.linear(0.1, -0.1, 10))`` raises
+:class:`~purestep.errors.ScheduleError` naming count 6, where it goes
+negative); another callable is checked here at count 0 and by every update at
+the count it applies (a negative or non-finite value raises there, before
+anything changes).
 
 Example:
     >>> from purestep.optim._hparams import AdamHParams
@@ -30,7 +33,9 @@ import attrs
 from tensordict import TensorDictBase
 
 from purestep import tree
+from purestep.errors import ScheduleError
 from purestep.optim._base import ScalarOrSchedule
+from purestep.optim.schedules import first_count_below
 
 __all__ = [
     "AdamHParams",
@@ -53,13 +58,28 @@ def _number(field: str, value: Any) -> float:
 def _validate_lr(_inst: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
     name = attribute.name
     if callable(value):
+        bad = first_count_below(value, 0.0)  # purestep's schedules: every count
+        if bad is not None:
+            raise ScheduleError(
+                f"{name}: the schedule {value!r} goes negative at count {bad} "
+                f"({name}({bad}) = {value(bad)!r}); a learning rate must be >= 0 at every "
+                "count: fix its end points (a negative lr would ascend the loss)",
+                count=bad,
+            )
         try:
             first = value(0)
         except Exception as e:  # a schedule that cannot be evaluated is a bad argument
-            raise ValueError(f"{name}: schedule {value!r} failed at count 0: {e}") from e
-        x = _number(f"{name}(0)", first)
+            raise ScheduleError(
+                f"{name}: schedule {value!r} failed at count 0: {e}", count=0
+            ) from e
+        try:
+            x = _number(f"{name}(0)", first)
+        except ValueError as e:
+            raise ScheduleError(str(e), count=0) from e
         if x < 0:
-            raise ValueError(f"{name} must be >= 0, but the schedule gives {name}(0) = {x}")
+            raise ScheduleError(
+                f"{name} must be >= 0, but the schedule gives {name}(0) = {x}", count=0
+            )
         return
     x = _number(name, value)
     if x < 0:

@@ -28,6 +28,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from purestep import _compat, tree
+from purestep.errors import ScheduleError
 from purestep.optim._base import ScalarOrSchedule, Transform
 
 __all__ = [
@@ -69,26 +70,57 @@ def lr_at(lr: ScalarOrSchedule, count: int) -> float:
 def checked_lr(lr: ScalarOrSchedule, count: int, who: str) -> float:
     """:func:`lr_at`, refusing a value that is not finite or is negative (at this count).
 
-    A schedule valid at count 0 can still go wrong later (``linear(0.1, -0.1,
-    10)`` goes negative, a user function can return NaN): the step that would
-    apply it raises before anything is changed.
+    A schedule valid at count 0 can still go wrong later (a user function can
+    return a negative value or NaN): the step that would apply it raises
+    :class:`~purestep.errors.ScheduleError` before anything is changed.
 
     Example:
         >>> checked_lr(lambda n: 0.1 - 0.05 * n, 3, "adamw")
         Traceback (most recent call last):
         ...
-        ValueError: adamw: the learning rate at update 3 is -0.05...; it must be finite and >= 0 (check the schedule)
+        purestep.errors.ScheduleError: adamw: the learning rate at update 3 is -0.05...; it must be finite and >= 0 (check the schedule)
     """
     try:
         x = lr_at(lr, count)
     except (TypeError, ValueError, OverflowError) as e:
-        raise ValueError(f"{who}: the learning-rate schedule failed at update {count}: {e}") from e
+        raise ScheduleError(
+            f"{who}: the learning-rate schedule failed at update {count}: {e}", count=count
+        ) from e
     if not math.isfinite(x) or x < 0:
-        raise ValueError(
+        raise ScheduleError(
             f"{who}: the learning rate at update {count} is {x!r}; it must be finite and >= 0 "
-            "(check the schedule)"
+            "(check the schedule)",
+            count=count,
         )
     return x
+
+
+# The largest finite float16 value: a learning rate below it fits every floating dtype.
+_SMALLEST_MAX = float(torch.finfo(torch.float16).max)
+
+
+def check_lr_fits(rate: float, params: Sequence[torch.Tensor], count: int, who: str) -> None:
+    """Refuse a learning rate that overflows the dtype of some param (it would make them inf/NaN).
+
+    Free for ordinary values: only a rate above float16's largest value looks
+    at the params' dtypes.
+
+    Example:
+        >>> check_lr_fits(1e300, [torch.zeros(1)], 0, "sgd")
+        Traceback (most recent call last):
+        ...
+        purestep.errors.ScheduleError: sgd: the learning rate at update 0 is 1e+300, which overflows torch.float32 (the params' dtype, largest value 3.4028234663852886e+38); the update would make the params inf or NaN
+    """
+    if rate <= _SMALLEST_MAX:
+        return
+    for p in params:
+        if p.is_floating_point() and rate > torch.finfo(p.dtype).max:
+            raise ScheduleError(
+                f"{who}: the learning rate at update {count} is {rate!r}, which overflows "
+                f"{p.dtype} (the params' dtype, largest value {torch.finfo(p.dtype).max!r}); "
+                "the update would make the params inf or NaN",
+                count=count,
+            )
 
 
 def scalar_state(count: int, lr: float | None = None) -> dict[str, torch.Tensor]:
@@ -377,7 +409,9 @@ def kernel_transform(
 
     def init(params: TensorDictBase) -> TensorDict:
         check_floating(params, name)
-        state: dict[str, object] = dict(scalar_state(0, checked_lr(lr, 0, name)))
+        first = checked_lr(lr, 0, name)
+        check_lr_fits(first, tree.leaves(params), 0, name)
+        state: dict[str, object] = dict(scalar_state(0, first))
         for k in keys:
             state[k] = tree.zeros_like(params)
         if steps:
@@ -401,6 +435,7 @@ def kernel_transform(
         n = int(state["count"])
         rate = checked_lr(lr, n, name)
         p = tree.leaves(params)
+        check_lr_fits(rate, p, n, name)
         m = [tree.leaves(state[k]) for k in keys]
         s = tree.leaves(state["steps"]) if steps else None
         if not donate_params:

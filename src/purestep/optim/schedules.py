@@ -24,7 +24,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -35,6 +35,7 @@ from purestep.optim._base import Schedule
 __all__ = [
     "constant",
     "cosine_decay",
+    "first_count_below",
     "in_steps",
     "join",
     "linear",
@@ -106,6 +107,38 @@ def _cosine(init: float, end: float, steps: int, n: int) -> float:
     return init + (end - init) * (0.5 * (1.0 - math.cos(math.pi * n / steps)))
 
 
+def _check_span(name: str, a: str, b: str, inst: Any) -> None:
+    """``inst.b - inst.a`` must be finite, or every interpolated value is NaN or infinite."""
+    if not math.isfinite(getattr(inst, b) - getattr(inst, a)):
+        raise ValueError(
+            f"{name}: {b} - {a} overflows ({a}={getattr(inst, a)!r}, {b}={getattr(inst, b)!r}); "
+            "the values in between would not be finite"
+        )
+
+
+def _ramp_first_below(
+    f: Callable[[int], float], a: float, b: float, steps: int, threshold: float
+) -> int | None:
+    """First count where a monotone ramp ``f`` (``a`` at 0, ``b`` from ``steps`` on) is < threshold.
+
+    A ramp between two values >= threshold never goes below it (the
+    interpolation rounds towards its end points), so only an end point below
+    it needs a search: bisection over ``[0, steps]``.
+    """
+    if a < threshold:
+        return 0
+    if b >= threshold:
+        return None
+    lo, hi = 0, steps  # f(lo) >= threshold > f(hi) == b
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if f(mid) < threshold:
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
 @attrs.frozen(repr=False)
 class _Constant:
     value: float = _float_field()
@@ -113,6 +146,9 @@ class _Constant:
     def __call__(self, count: int | torch.Tensor, /) -> float:
         _count(count)
         return self.value
+
+    def first_below(self, threshold: float) -> int | None:
+        return 0 if self.value < threshold else None
 
     def __repr__(self) -> str:
         return _repr("constant", self)
@@ -124,8 +160,14 @@ class _Linear:
     end: float = _float_field()
     steps: int = _int_field(1)
 
+    def __attrs_post_init__(self) -> None:
+        _check_span("linear", "start", "end", self)
+
     def __call__(self, count: int | torch.Tensor, /) -> float:
         return _linear(self.start, self.end, self.steps, _count(count))
+
+    def first_below(self, threshold: float) -> int | None:
+        return _ramp_first_below(self, self.start, self.end, self.steps, threshold)
 
     def __repr__(self) -> str:
         return _repr("linear", self)
@@ -137,23 +179,23 @@ class _CosineDecay:
     steps: int = _int_field(1)
     end: float = _float_field(0.0)
 
+    def __attrs_post_init__(self) -> None:
+        _check_span("cosine_decay", "init", "end", self)
+
     def __call__(self, count: int | torch.Tensor, /) -> float:
         return _cosine(self.init, self.end, self.steps, _count(count))
+
+    def first_below(self, threshold: float) -> int | None:
+        return _ramp_first_below(self, self.init, self.end, self.steps, threshold)
 
     def __repr__(self) -> str:
         return _repr("cosine_decay", self)
 
 
-def _check_warmup(inst: Any) -> None:
-    if inst.total_steps <= inst.warmup_steps:
-        raise ValueError(
-            f"total_steps must be > warmup_steps, got total_steps={inst.total_steps}, "
-            f"warmup_steps={inst.warmup_steps}"
-        )
-
-
 @attrs.frozen(repr=False)
-class _WarmupCosine:
+class _Warmup:
+    """The arguments of a warmup schedule (validated); the schedule itself is a :class:`_Join`."""
+
     peak: float = _float_field()
     warmup_steps: int = _int_field(0)
     total_steps: int = _int_field(1)
@@ -161,51 +203,46 @@ class _WarmupCosine:
     end: float = _float_field(0.0)
 
     def __attrs_post_init__(self) -> None:
-        _check_warmup(self)
+        if self.total_steps <= self.warmup_steps:
+            raise ValueError(
+                f"total_steps must be > warmup_steps, got total_steps={self.total_steps}, "
+                f"warmup_steps={self.warmup_steps}"
+            )
 
-    def __call__(self, count: int | torch.Tensor, /) -> float:
-        n, w = _count(count), self.warmup_steps
-        if n < w:
-            return _linear(self.init, self.peak, w, n)
-        return _cosine(self.peak, self.end, self.total_steps - w, n - w)
-
-    def __repr__(self) -> str:
-        return _repr("warmup_cosine", self)
-
-
-@attrs.frozen(repr=False)
-class _WarmupLinear:
-    peak: float = _float_field()
-    warmup_steps: int = _int_field(0)
-    total_steps: int = _int_field(1)
-    init: float = _float_field(0.0)
-    end: float = _float_field(0.0)
-
-    def __attrs_post_init__(self) -> None:
-        _check_warmup(self)
-
-    def __call__(self, count: int | torch.Tensor, /) -> float:
-        n, w = _count(count), self.warmup_steps
-        if n < w:
-            return _linear(self.init, self.peak, w, n)
-        return _linear(self.peak, self.end, self.total_steps - w, n - w)
-
-    def __repr__(self) -> str:
-        return _repr("warmup_linear", self)
+    def join(self, name: str, decay: Schedule) -> _Join:
+        """A linear warmup ``init -> peak`` over ``warmup_steps``, then ``decay`` (none if 0 steps)."""
+        w = self.warmup_steps
+        if w == 0:
+            return _Join((decay,), (), label=_repr(name, self))
+        return _Join((_Linear(self.init, self.peak, w), decay), (w,), label=_repr(name, self))
 
 
 @attrs.frozen(repr=False)
 class _Join:
     schedules: tuple[Schedule, ...]
     boundaries: tuple[int, ...]
+    label: str | None = attrs.field(default=None, eq=False)  # the repr of a named composition
 
     def __call__(self, count: int | torch.Tensor, /) -> float:
         n = _count(count)
         i = bisect.bisect_right(self.boundaries, n)
         return float(self.schedules[i](n - self.boundaries[i - 1] if i else n))
 
+    def first_below(self, threshold: float) -> int | None:
+        starts = (0, *self.boundaries)
+        for i, sched in enumerate(self.schedules):
+            window = self.boundaries[i] - starts[i] if i < len(self.boundaries) else None
+            if window == 0:
+                continue  # never active
+            n = first_count_below(sched, threshold)
+            if n is not None and (window is None or n < window):
+                return starts[i] + n
+        return None
+
     def __repr__(self) -> str:
-        return _repr("join", self)
+        if self.label is not None:
+            return self.label
+        return f"join(schedules={self.schedules!r}, boundaries={self.boundaries!r})"
 
 
 @attrs.frozen(repr=False)
@@ -219,11 +256,24 @@ class _PiecewiseConstant:
         values = [self.init]
         for _, scale in self.boundaries_and_scales:
             values.append(values[-1] * scale)
+        for i, v in enumerate(values):
+            if not math.isfinite(v):
+                b = self.boundaries_and_scales[i - 1][0]
+                raise ValueError(
+                    f"piecewise_constant: the value from boundary {b} on is {v} (init times the "
+                    "scales up to it overflows); every value must be finite"
+                )
         object.__setattr__(self, "_bounds", tuple(b for b, _ in self.boundaries_and_scales))
         object.__setattr__(self, "_values", tuple(values))
 
     def __call__(self, count: int | torch.Tensor, /) -> float:
         return self._values[bisect.bisect_right(self._bounds, _count(count))]
+
+    def first_below(self, threshold: float) -> int | None:
+        for i, v in enumerate(self._values):
+            if v < threshold:
+                return self._bounds[i - 1] if i else 0
+        return None
 
     def __repr__(self) -> str:
         pairs = dict(self.boundaries_and_scales)
@@ -298,7 +348,8 @@ def warmup_cosine(
         >>> [s(n) for n in range(6)]
         [0.5, 0.75, 1.0, 0.5, 0.0, 0.0]
     """
-    return _WarmupCosine(peak, warmup_steps, total_steps, init, end)
+    args = _Warmup(peak, warmup_steps, total_steps, init, end)
+    return args.join("warmup_cosine", _CosineDecay(args.peak, total_steps - warmup_steps, args.end))
 
 
 def warmup_linear(
@@ -318,7 +369,8 @@ def warmup_linear(
         >>> [s(n) for n in (0, 1, 2, 4, 6, 7)]
         [0.0, 0.5, 1.0, 0.5, 0.0, 0.0]
     """
-    return _WarmupLinear(peak, warmup_steps, total_steps, init, end)
+    args = _Warmup(peak, warmup_steps, total_steps, init, end)
+    return args.join("warmup_linear", _Linear(args.peak, args.end, total_steps - warmup_steps))
 
 
 def join(schedules: Sequence[Schedule], boundaries: Sequence[int]) -> Schedule:
@@ -413,6 +465,17 @@ class _InSteps:
     def __call__(self, count: int | torch.Tensor) -> float:
         return float(self.schedule(_count(count) * self.every))
 
+    def first_below(self, threshold: float) -> int | None:
+        # The first update n with schedule(n * every) < threshold: none before the
+        # first update at or after the schedule's first count below it. If that
+        # update is not below (a schedule that comes back up in between), the
+        # per-update check covers it, as for an opaque callable.
+        m = first_count_below(self.schedule, threshold)
+        if m is None:
+            return None
+        n = -(-m // self.every)
+        return n if self(n) < threshold else None
+
     def __repr__(self) -> str:
         return f"in_steps({self.schedule!r}, every={self.every})"
 
@@ -439,3 +502,36 @@ def in_steps(schedule: Schedule | Any, *, every: int) -> Schedule:
     if not callable(schedule):
         raise TypeError(f"in_steps: schedule must be a callable count -> value, got {schedule!r}")
     return _InSteps(schedule, every)
+
+
+def first_count_below(schedule: Callable[[int], float], threshold: float = 0.0) -> int | None:
+    """The first count at which one of purestep's schedules is below ``threshold``, or None.
+
+    purestep's schedules are piecewise monotone with known end points, so the
+    answer covers every count ``0, 1, 2, ...`` (found by bisection, not by
+    evaluating them all). Other callables cannot be seen into: they count as
+    never below (an optimizer checks them at each update instead), also as
+    parts of a :func:`join`. An :func:`in_steps` schedule answers in its role's
+    updates (the first update whose method step is below).
+
+    Optimizers use it to refuse, when they are built, a learning-rate schedule
+    that goes negative at any count.
+
+    Example:
+        >>> first_count_below(linear(0.1, -0.1, 10))
+        6
+        >>> linear(0.1, -0.1, 10)(5), round(linear(0.1, -0.1, 10)(6), 6)
+        (0.0, -0.02)
+        >>> first_count_below(warmup_cosine(1.0, 2, 6)) is None
+        True
+        >>> first_count_below(in_steps(linear(0.1, -0.1, 10), every=4))  # step 8
+        2
+        >>> first_count_below(lambda n: -1.0) is None  # opaque
+        True
+    """
+    if not isinstance(schedule, _SCHEDULE_TYPES):
+        return None
+    return schedule.first_below(threshold)
+
+
+_SCHEDULE_TYPES = (_Constant, _Linear, _CosineDecay, _Join, _PiecewiseConstant, _InSteps)

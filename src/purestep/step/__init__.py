@@ -4,8 +4,9 @@ Every builder returns a function with the step signature
 ``step(state, batch) -> (state, metrics)``; see ``docs/ARCHITECTURE.md``.
 """
 
+from purestep.errors import ModuleInUseError, NonFiniteError
 from purestep.step._accumulate import accumulate, microbatch_sizes
-from purestep.step._batch import Batch, as_batch, batch_size, with_index
+from purestep.step._batch import Batch, as_batch, batch_size, check_index, with_index
 from purestep.step._bound import (
     is_bound,
     register_bound_backward_hook,
@@ -13,10 +14,10 @@ from purestep.step._bound import (
 )
 from purestep.step._call import call, call_scope, recording_modules
 from purestep.step._context import Microbatch, current_microbatch, live_roles
+from purestep.step._donation import is_donated
 from purestep.step._grad import GradFn, LossFn, value_and_grad
-from purestep.step._swap import ModuleInUseError, module_tensors
+from purestep.step._swap import module_tensors
 from purestep.step._train import (
-    NonFiniteError,
     Step,
     TrainStep,
     add_skip_counters,
@@ -25,6 +26,7 @@ from purestep.step._train import (
     skip_update,
     train_step,
 )
+from purestep.step._validate import check_state
 from purestep.step._wrappers import EMAStep, skip_nonfinite, with_ema
 
 __all__ = [
@@ -44,8 +46,11 @@ __all__ = [
     "batch_size",
     "call",
     "call_scope",
+    "check_index",
+    "check_state",
     "current_microbatch",
     "is_bound",
+    "is_donated",
     "live_roles",
     "microbatch_sizes",
     "module_tensors",

@@ -9,6 +9,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from purestep import _compat, tree
+from purestep.errors import BatchError
 from purestep.step._batch import batch_size, with_index
 from purestep.step._bound import is_bound
 from purestep.step._context import Microbatch, microbatch_scope
@@ -36,7 +37,7 @@ def microbatch_sizes(b: int, k: int) -> list[int]:
     if k < 1:
         raise ValueError(f"accumulate: k must be >= 1, got {k}")
     if b < k:
-        raise ValueError(
+        raise BatchError(
             f"accumulate: batch of {b} samples cannot be split into k={k} microbatches"
         )
     q, r = divmod(b, k)
@@ -95,7 +96,16 @@ def accumulate(grad_fn: GradFn, k: int) -> GradFn:
         >>> accumulate(gf, 2)(p, b, torch.tensor(0))[0]["m", "w"]
         tensor([1.5000])
     """
-    if not isinstance(k, int) or k < 1:
+    if not callable(grad_fn):
+        raise TypeError(
+            f"accumulate: grad_fn is a {type(grad_fn).__name__}, not callable; pass "
+            "value_and_grad(loss_fn)"
+        )
+    if isinstance(k, bool) or not isinstance(k, int):
+        raise TypeError(
+            f"accumulate: k must be an int >= 1 (the number of microbatches), got {k!r}"
+        )
+    if k < 1:
         raise ValueError(f"accumulate: k must be a positive int, got {k!r}")
 
     def acc_fn(

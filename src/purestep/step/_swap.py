@@ -44,6 +44,7 @@ from torch import nn
 
 from purestep import tree
 from purestep._layout import KeyPath, Layout, layout_of, unwrap
+from purestep.errors import ModuleInUseError
 
 __all__ = [
     "KeyPath",
@@ -60,10 +61,6 @@ __all__ = [
 ]
 
 _Slot = tuple[dict[str, Any], str]
-
-
-class ModuleInUseError(RuntimeError):
-    """A module's parameters are swapped by a ``call`` in another thread."""
 
 
 class Plan:

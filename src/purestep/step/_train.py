@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Protocol, cast
 
 import attrs
@@ -13,10 +13,13 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from purestep import rng, tree
+from purestep.errors import NonFiniteError, PurestepError, RoleError, StateError, with_prefix
 from purestep.optim import Transform, current_lr
 from purestep.step._batch import Batch, prepare_batch
 from purestep.step._bound import is_bound, reduce_bound_metrics
+from purestep.step._donation import check_live, fresh_top, is_donated, mark_donated
 from purestep.step._grad import GradFn
+from purestep.step._validate import check_state, diagnose, remember
 
 __all__ = ["Step", "TrainStep", "apply_gradients", "train_step"]
 
@@ -34,10 +37,6 @@ class Step(Protocol):
     def prepare(self, state: TensorDictBase) -> TensorDict: ...
 
 
-class NonFiniteError(FloatingPointError):
-    """Raised by :func:`purestep.skip_nonfinite` after too many consecutive skipped steps."""
-
-
 def _check_bound_donation(state: TensorDictBase, roles: Sequence[str], donate: bool) -> None:
     if donate:
         return
@@ -47,6 +46,15 @@ def _check_bound_donation(state: TensorDictBase, roles: Sequence[str], donate: b
                 f"role {role!r} is bound to a module (FSDP); its params are the module's own "
                 "parameters and are updated in place: build the step with donate=True"
             )
+
+
+def _role_names(roles: object, who: str) -> list[str]:
+    if isinstance(roles, str) or not isinstance(roles, Iterable):
+        raise TypeError(
+            f"{who}: roles must be a list of role names, got {roles!r}"
+            + (f"; use [{roles!r}]" if isinstance(roles, str) else "")
+        )
+    return list(roles)
 
 
 def apply_gradients(
@@ -61,13 +69,19 @@ def apply_gradients(
 
     Args:
         state: the training state.
-        grads: ``{role: tree}`` shaped like ``state["params", role]``.
+        grads: ``{role: tree}`` shaped like ``state["params", role]`` (or a
+            subset of its leaves: a param without a gradient is not touched).
         optimizers: ``{role: Transform}``.
         roles: roles to update (default: every role in ``grads``).
         donate: update params and optimizer state in their own buffers (fused
-            kernels); ``state`` is then invalid. With ``False`` nothing is mutated.
+            kernels); ``state`` is then invalid (using it again raises
+            :class:`~purestep.errors.DonatedStateError`). With ``False``
+            nothing is mutated.
 
-    ``state["step"]`` is not changed here (see :func:`train_step`).
+    ``state["step"]`` is not changed here (see :func:`train_step`). The state
+    is checked first (:class:`~purestep.errors.StateError` names the key path
+    where it does not fit the optimizers), unknown roles raise
+    :class:`~purestep.errors.RoleError`; nothing is changed before.
 
     Example:
         >>> import torch
@@ -80,26 +94,95 @@ def apply_gradients(
         >>> bool((s2["params", "student", "bias"] == s["params", "student", "bias"] - 0.1).all())
         True
     """
-    roles = list(grads.keys()) if roles is None else list(roles)
-    _check_bound_donation(state, roles, donate)
-    out = state if donate else state.copy()
+    if not isinstance(grads, TensorDictBase):
+        raise TypeError(
+            f"apply_gradients: grads is a {type(grads).__name__}; expected a TensorDict "
+            "{role: tree} as value_and_grad returns"
+        )
+    if not isinstance(optimizers, Mapping):
+        raise TypeError(
+            f"apply_gradients: optimizers is a {type(optimizers).__name__}; expected a mapping "
+            "{role: Transform}, e.g. {'student': optim.adamw(1e-3)}"
+        )
+    grad_roles = [str(r) for r in grads.keys()]
+    roles = grad_roles if roles is None else _role_names(roles, "apply_gradients")
     for role in roles:
         if role not in optimizers:
-            raise KeyError(f"no optimizer for role {role!r} (optimizers: {sorted(optimizers)})")
-        if role not in grads.keys():
-            raise KeyError(f"no grads for role {role!r} (grads has roles {list(grads.keys())})")
-        params = state.get(("params", role))
-        opt_state = state.get(("opt_state", role))
-        try:
-            new_params, new_opt = optimizers[role].step(
-                grads.get(role), opt_state, params, donate=donate
+            raise RoleError(
+                f"apply_gradients: no optimizer for role {role!r} (optimizers: "
+                f"{sorted(optimizers)})",
+                role=role,
             )
-        except ValueError as e:
-            raise ValueError(f"role {role!r}: {e}") from e
-        if new_params is not params:
-            out.set(("params", role), new_params)
-        if new_opt is not opt_state:
-            out.set(("opt_state", role), new_opt)
+        if role not in grad_roles:
+            raise RoleError(
+                f"apply_gradients: no grads for role {role!r} (grads has roles {grad_roles})",
+                role=role,
+            )
+    if isinstance(state, TensorDictBase):
+        check_live(state, "apply_gradients")
+        have = state.get("params") if "params" in state.keys() else None
+        if isinstance(have, TensorDictBase):
+            for role in roles:
+                if role not in have.keys():
+                    raise RoleError(
+                        f"apply_gradients: grads for role {role!r}, but the state has no "
+                        f"params.{role} (roles with params: {list(have.keys())})",
+                        role=role,
+                    )
+    check_state(
+        state,
+        {r: optimizers[r] for r in roles},
+        who="apply_gradients",
+        counters=False,
+        donate=donate,
+    )
+    _check_bound_donation(state, roles, donate)
+    out = _apply(state, grads, optimizers, roles, donate)
+    remember(out, {r: optimizers[r] for r in roles})
+    return out
+
+
+def _apply(
+    state: TensorDictBase,
+    grads: TensorDictBase,
+    optimizers: Mapping[str, Transform],
+    roles: Sequence[str],
+    donate: bool,
+) -> TensorDict:
+    """:func:`apply_gradients` on a checked state; a donated input is marked as such."""
+    out = fresh_top(state) if donate else state.copy()
+    done = 0
+    try:
+        for role in roles:
+            params = state.get(("params", role))
+            opt_state = state.get(("opt_state", role))
+            try:
+                new_params, new_opt = optimizers[role].step(
+                    grads.get(role), opt_state, params, donate=donate
+                )
+            except PurestepError as e:
+                raise with_prefix(e, f"role {role!r}: ") from e
+            except Exception as e:
+                # a state edited in place after it was checked: say which key is wrong
+                found = diagnose(state, {role: optimizers[role]}, who="apply_gradients")
+                if found is not None:
+                    raise found from e
+                if isinstance(e, ValueError | TypeError):
+                    raise with_prefix(e, f"role {role!r}: ") from e
+                raise
+            if new_params is not params:
+                out.set(("params", role), new_params)
+            if new_opt is not opt_state:
+                out.set(("opt_state", role), new_opt)
+            done += 1
+    except BaseException:
+        # a failure before the first role's update leaves the state as it was (kernels
+        # check their inputs before writing); after it, a donated state is half-updated
+        if donate and done:
+            mark_donated(state, "an apply_gradients call that failed part-way")
+        raise
+    if donate:
+        mark_donated(state, "apply_gradients(donate=True)")
     return out
 
 
@@ -127,17 +210,13 @@ class TrainStep:
         return [r for r in self.optimizers if step % self.every.get(r, 1) == 0]
 
     def prepare(self, state: TensorDictBase) -> TensorDict:
-        """Check ``state`` against the optimizers; add skip counters when skipping is on."""
-        for role in self.optimizers:
-            if role not in state.get("params").keys():
-                raise KeyError(
-                    f"train_step: optimizer for role {role!r}, but state has no params for it"
-                )
-            if role not in state.get("opt_state").keys():
-                raise KeyError(
-                    f"train_step: state has no opt_state for role {role!r}; build the state "
-                    "with init_state(..., optimizers=...) using the same optimizers"
-                )
+        """Check ``state`` against the optimizers; add skip counters when skipping is on.
+
+        Raises :class:`~purestep.errors.StateError` naming the key path where
+        the state does not fit (see :func:`purestep.step.check_state`) and
+        :class:`~purestep.errors.DonatedStateError` for a state donated before.
+        """
+        check_state(state, self.optimizers, who="train_step", counters=True, donate=self.donate)
         return add_skip_counters(state) if self.skip_nonfinite else state
 
     def __call__(self, state: TensorDictBase, batch: Batch) -> tuple[TensorDict, TensorDict]:
@@ -146,6 +225,7 @@ class TrainStep:
             return self._step(state, batch)
 
     def _step(self, state: TensorDictBase, batch: Batch) -> tuple[TensorDict, TensorDict]:
+        entry = state
         state = self.prepare(state)
         batch = prepare_batch(batch)
         step = int(state.get("step"))
@@ -165,7 +245,14 @@ class TrainStep:
             )
         if self.donate and _takes(self.grad_fn, "donate"):
             extra["donate"] = True
-        grads, metrics = self.grad_fn(params, batch, key, roles=roles, **extra)
+        try:
+            grads, metrics = self.grad_fn(params, batch, key, roles=roles, **extra)
+        except Exception as e:
+            # a state edited in place after it was checked: say which key is wrong
+            found = diagnose(state, self.optimizers, who="train_step")
+            if found is not None:
+                raise found from e
+            raise
         # bound (FSDP) roles: per-rank metrics -> data-parallel mean (one collective)
         metrics = reduce_bound_metrics(params, metrics)
         new_buffers, written = _split_written(extra.get("buffers"), state)
@@ -178,10 +265,20 @@ class TrainStep:
         if self.skip_nonfinite:
             finite = _all_finite(metrics, norms)
             if not bool(finite):
-                return self._skipped(state, metrics, step)
-        if written:
-            state = _with_written_params(state, written, self.donate)
-        out = apply_gradients(state, grads, self.optimizers, roles=updated, donate=self.donate)
+                return self._skipped(entry, state, metrics, step)
+        try:
+            if written:
+                state = _with_written_params(state, written, self.donate)
+            out = _apply(state, grads, self.optimizers, updated, self.donate)
+        except BaseException:
+            if self.donate and (written or is_donated(state)):
+                mark_donated(entry, f"a donated train_step that failed part-way at step {step}")
+            raise
+        if self.donate:
+            what = f"a donated train_step at step {step}"
+            mark_donated(entry, what)
+            if state is not entry:
+                mark_donated(state, what)
         if new_buffers is not None:
             out.set("buffers", new_buffers)
         _next_step(state, out, self.donate)
@@ -194,12 +291,42 @@ class TrainStep:
                 metrics.set((role, "lr"), lr)
             if role in norms:
                 metrics.set((role, "grad_norm"), norms[role])
+        remember(out, self.optimizers)  # updated roles: the optimizers' output; others: copies
         return out, metrics
 
     def _skipped(
-        self, state: TensorDictBase, metrics: TensorDict, step: int
+        self, entry: TensorDictBase, state: TensorDictBase, metrics: TensorDict, step: int
     ) -> tuple[TensorDict, TensorDict]:
-        return skip_update(state, metrics, donate=self.donate, max_consecutive=self.max_consecutive)
+        if not self.donate:
+            out = skip_update(state, metrics, donate=False, max_consecutive=self.max_consecutive)
+        else:
+            # a donated step returns a new top-level node (its input is marked donated)
+            out = skip_update(
+                fresh_top(state), metrics, donate=True, max_consecutive=self.max_consecutive
+            )
+            what = f"a donated train_step at step {step} (skipped)"
+            mark_donated(entry, what)
+            if state is not entry:
+                mark_donated(state, what)
+        remember(out[0], self.optimizers)
+        return out
+
+
+def _check_skip(skip: object) -> None:
+    if not isinstance(skip, TensorDictBase):
+        raise StateError(
+            f"skip_nonfinite: state['skip'] is a {type(skip).__name__}; it keeps a "
+            "tree {'total', 'consecutive'} there (drop it and call step.prepare to rebuild)",
+            path=("skip",),
+        )
+    for key in ("total", "consecutive"):
+        t = skip.get(key) if key in skip.keys() else None
+        if not (isinstance(t, torch.Tensor) and t.dtype == torch.int64 and t.numel() == 1):
+            raise StateError(
+                f"skip_nonfinite: state['skip', {key!r}] must be an int64 0-dim tensor (a count of "
+                "skipped steps); drop state['skip'] and call step.prepare to rebuild it",
+                path=("skip", key),
+            )
 
 
 def _takes(fn: Any, name: str) -> bool:
@@ -352,6 +479,7 @@ def add_skip_counters(state: TensorDictBase) -> TensorDict:
         ['consecutive', 'total']
     """
     if "skip" in state.keys():
+        _check_skip(state.get("skip"))
         return cast(TensorDict, state)
     out = state.copy()
     zero = torch.zeros((), dtype=torch.int64)
@@ -438,15 +566,46 @@ def train_step(
         >>> int(state["step"])
         1
     """
-    every = dict(every or {})
-    for role, n in every.items():
-        if role not in optimizers:
-            raise KeyError(f"train_step: every[{role!r}] given, but there is no optimizer for it")
-        if not isinstance(n, int) or n < 1:
-            raise ValueError(f"train_step: every[{role!r}] must be a positive int, got {n!r}")
+    if not callable(grad_fn):
+        raise TypeError(
+            f"train_step: grad_fn is a {type(grad_fn).__name__}, not callable; pass "
+            "value_and_grad(loss_fn) (optionally wrapped in accumulate)"
+        )
+    if not isinstance(optimizers, Mapping):
+        raise TypeError(
+            f"train_step: optimizers is a {type(optimizers).__name__}; expected a mapping "
+            "{role: Transform}, e.g. {'student': optim.adamw(1e-3)}"
+        )
+    if not optimizers:
+        raise ValueError(
+            "train_step: optimizers is empty, so the step would update nothing while "
+            "state['step'] advances; pass {role: Transform} for the roles to train"
+        )
     for role, opt in optimizers.items():
         if not isinstance(opt, Transform):
             raise TypeError(f"optimizers[{role!r}] is {type(opt).__name__}, not a Transform")
+    if every is not None and not isinstance(every, Mapping):
+        raise TypeError(
+            f"train_step: every is a {type(every).__name__}; expected a mapping {{role: N}}"
+        )
+    every = dict(every or {})
+    for role, n in every.items():
+        if role not in optimizers:
+            raise RoleError(
+                f"train_step: every[{role!r}] given, but there is no optimizer for it "
+                f"(optimizers: {sorted(optimizers)})",
+                role=role,
+            )
+        if isinstance(n, bool) or not isinstance(n, int):
+            raise TypeError(
+                f"train_step: every[{role!r}] must be an int N >= 1 (update on steps that are "
+                f"multiples of N), got {n!r}"
+            )
+        if n < 1:
+            raise ValueError(f"train_step: every[{role!r}] must be a positive int, got {n!r}")
+    for name, flag in (("donate", donate), ("grad_norm", grad_norm)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"train_step: {name} must be a bool, got {flag!r}")
     return TrainStep(
         grad_fn=grad_fn,
         optimizers=dict(optimizers),

@@ -18,8 +18,11 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from purestep import _compat, tree
+from purestep.errors import StateError
 from purestep.step._batch import Batch
+from purestep.step._donation import check_live, mark_donated
 from purestep.step._train import Step, TrainStep, add_skip_counters, set_skip, skip_update
+from purestep.step._validate import check_pair, remember_pair
 
 __all__ = ["EMAStep", "SkipNonFinite", "skip_nonfinite", "with_ema"]
 
@@ -66,11 +69,16 @@ class EMAStep:
         missing_buf = [r for r in self.roles if self.buffers and ("ema_buffers", r) not in keys]
         for role in self.roles:
             if role not in state.get("params").keys():
-                raise KeyError(f"with_ema: role {role!r} has no params in state")
+                raise StateError(
+                    f"with_ema: role {role!r} has no params in state (roles with params: "
+                    f"{list(state.get('params').keys())})",
+                    path=("params", role),
+                )
             if self.buffers and ("buffers", role) not in keys:
-                raise KeyError(
+                raise StateError(
                     f"with_ema(buffers=True): role {role!r} has no buffers in state "
-                    "(its module has no persistent buffers)"
+                    "(its module has no persistent buffers)",
+                    path=("buffers", role),
                 )
         if not missing and not missing_buf:
             return state
@@ -82,9 +90,15 @@ class EMAStep:
         return out
 
     def __call__(self, state: TensorDictBase, batch: Batch) -> tuple[TensorDict, TensorDict]:
+        if isinstance(state, TensorDictBase):
+            check_live(state, "with_ema")
+        entry = state
         state = self.prepare(state)
+        self._check(state)
         step = int(state.get("step"))
         new_state, metrics = self.inner(state, batch)
+        if self.donate:
+            mark_donated(entry, f"a donated with_ema step at step {step}")
         if "skipped" in metrics.keys() and bool(metrics.get("skipped")):
             return new_state, metrics
         if not self.donate and not isinstance(self.inner, _OWN_STEPS):
@@ -96,7 +110,19 @@ class EMAStep:
             self._average(new_state, ("params", role), ("ema", role), copy)
             if self.buffers:
                 self._average(new_state, ("buffers", role), ("ema_buffers", role), copy)
+        self._check(new_state, remember_only=True)
         return new_state, metrics
+
+    def _check(self, state: TensorDictBase, *, remember_only: bool = False) -> None:
+        """The EMA trees match what they average (once per structure, see ``check_pair``)."""
+        pairs = [("params", "ema")] + ([("buffers", "ema_buffers")] if self.buffers else [])
+        for role in self.roles:
+            for src, dst in pairs:
+                a, b = state.get((src, role)), state.get((dst, role))
+                if remember_only:
+                    remember_pair(a, b, dst)
+                else:
+                    check_pair(a, b, (src, role), (dst, role), who="with_ema", tag=dst)
 
     def _average(
         self, state: TensorDictBase, src: tuple[str, str], dst: tuple[str, str], copy: bool
@@ -256,6 +282,8 @@ def with_ema(
         >>> sorted(state["ema"].keys())
         ['student']
     """
+    if isinstance(roles, str):
+        raise TypeError(f"with_ema: roles must be a list of role names; use [{roles!r}]")
     if not roles:
         raise ValueError("with_ema: roles is empty")
     if start_step < 0:
@@ -305,6 +333,10 @@ def skip_nonfinite(step: Step, *, max_consecutive: int | None = None) -> Step:
         >>> s.max_consecutive
         3
     """
+    if max_consecutive is not None and (
+        isinstance(max_consecutive, bool) or not isinstance(max_consecutive, int)
+    ):
+        raise TypeError(f"skip_nonfinite: max_consecutive must be an int, got {max_consecutive!r}")
     if max_consecutive is not None and max_consecutive < 0:
         raise ValueError(f"skip_nonfinite: max_consecutive must be >= 0, got {max_consecutive}")
     if isinstance(step, EMAStep):

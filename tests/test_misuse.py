@@ -1,0 +1,785 @@
+"""Misuse gets a clear error, never a silent wrong step (issue 11).
+
+One table: each misuse a new user makes (schedules, state, roles, batches,
+donation), the exception type, and a piece of the message that names the
+user's object. Every row also checks that nothing the call was given changed
+(errors are raised before anything is mutated). Then the properties: random
+valid states step, random wrong ones raise a purestep error naming the exact
+key path; schedules know the first count at which they go negative.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tensordict import TensorDict, TensorDictBase
+from torch import nn
+
+import purestep as ps
+from purestep import errors, optim, rng, testing, tree
+from purestep.optim import schedules
+
+# --- shared setup ---------------------------------------------------------------------
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Linear(2, 1)
+
+
+def _loss(net: nn.Module) -> Callable[..., Any]:
+    def loss_fn(p: TensorDictBase, b: TensorDictBase, key: torch.Tensor) -> Any:
+        return ((ps.call(net, p["student"], b["x"]) - b["y"]) ** 2).mean(), {}
+
+    return loss_fn
+
+
+BATCH = {"x": torch.ones(4, 2), "y": torch.zeros(4, 1)}
+
+
+@dataclass
+class Setup:
+    net: nn.Module
+    opts: dict[str, optim.Transform]
+    step: Any
+    state: TensorDict
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _setup(opt: optim.Transform | None = None, *, donate: bool = False, **kw: Any) -> Setup:
+    net = _net()
+    opts = {"student": opt or optim.adamw(1e-2)}
+    step = ps.train_step(ps.value_and_grad(_loss(net)), opts, donate=donate, **kw)
+    return Setup(net, opts, step, ps.init_state({"student": net}, opts, seed=0))
+
+
+def _grads(state: TensorDictBase, role: str = "student") -> TensorDict:
+    return TensorDict({role: state["params", "student"].apply(torch.ones_like)}, [])
+
+
+Run = tuple[Callable[[], object], list[TensorDictBase]]
+
+
+@dataclass(frozen=True)
+class Case:
+    """A misuse: ``make()`` returns the failing call and the trees it must leave unchanged."""
+
+    name: str
+    make: Callable[[], Run]
+    exc: type[BaseException]
+    match: str
+
+
+# --- the misuses ----------------------------------------------------------------------
+
+
+def _schedule_negative_later() -> Run:
+    return (lambda: optim.adamw(lr=schedules.linear(0.1, -0.1, 10))), []
+
+
+def _warmup_negative_peak() -> Run:
+    return (lambda: optim.adamw(lr=schedules.warmup_cosine(-1.0, 2, 10))), []
+
+
+def _join_negative_later() -> Run:
+    sched = schedules.join([schedules.constant(0.1), schedules.linear(0.1, -1.0, 4)], [10])
+    return (lambda: optim.sgd(lr=sched)), []
+
+
+def _user_schedule_negative_at_update_2() -> Run:
+    s = _setup(optim.sgd(lr=lambda n: 0.1 - 0.1 * n))
+    state, _ = s.step(s.state, BATCH)
+    state, _ = s.step(state, BATCH)
+    return (lambda: s.step(state, BATCH)), [state]
+
+
+def _user_schedule_nan() -> Run:
+    s = _setup(optim.adamw(lr=lambda n: 1e-3 if n == 0 else math.nan), donate=True)
+    state, _ = s.step(s.state, BATCH)
+    return (lambda: s.step(state, BATCH)), [state]
+
+
+def _lr_overflows_params() -> Run:
+    return (lambda: ps.init_state({"student": _net()}, {"student": optim.sgd(1e300)}, seed=0)), []
+
+
+def _user_schedule_overflows_later() -> Run:
+    s = _setup(optim.sgd(lr=lambda n: 1e-3 if n == 0 else 1e300))
+    state, _ = s.step(s.state, BATCH)
+    return (lambda: s.step(state, BATCH)), [state]
+
+
+def _empty_batch() -> Run:
+    s = _setup()
+    return (lambda: s.step(s.state, {"x": torch.ones(0, 2), "y": torch.zeros(0, 1)})), [s.state]
+
+
+def _empty_tensordict_batch() -> Run:
+    s = _setup(donate=True)
+    batch = TensorDict({"x": torch.ones(0, 2), "y": torch.zeros(0, 1)}, [0])
+    return (lambda: s.step(s.state, batch)), [s.state]
+
+
+def _duplicate_index() -> Run:
+    s = _setup(donate=True)
+    batch = {**BATCH, "index": torch.tensor([5, 3, 5, 0])}
+    return (lambda: s.step(s.state, batch)), [s.state]
+
+
+def _duplicate_index_compiled() -> Run:
+    s = _setup()
+    step = ps.compile(s.step, backend="eager")  # the host checks the batch before the graph
+    batch = {**BATCH, "index": torch.tensor([5, 3, 5, 0])}
+    return (lambda: step(s.state, batch)), [s.state]
+
+
+def _duplicate_index_under_accumulate() -> Run:
+    net = _net()
+    opts = {"student": optim.sgd(0.1)}
+    step = ps.train_step(ps.accumulate(ps.value_and_grad(_loss(net)), 2), opts)
+    state = ps.init_state({"student": net}, opts, seed=0)
+    batch = TensorDict({**BATCH, "index": torch.tensor([1, 2, 3, 1])}, [4])
+    return (lambda: step(state, batch)), [state]
+
+
+def _same_tensordict_for_two_roles() -> Run:
+    td = TensorDict.from_module(_net()).detach().clone()
+    opts = {"a": optim.sgd(0.1), "b": optim.sgd(0.1)}
+    return (lambda: ps.init_state({"a": td, "b": td}, opts, seed=0)), [td]
+
+
+def _same_tensor_under_two_keys() -> Run:
+    w = torch.ones(3)
+    td = TensorDict({"w": w, "v": w}, [])
+    return (lambda: ps.init_state({"m": td}, {"m": optim.sgd(0.1)}, seed=0)), [td]
+
+
+def _expanded_param() -> Run:
+    td = TensorDict({"w": torch.ones(1).expand(3)}, [])
+    return (lambda: ps.init_state({"m": td}, {"m": optim.sgd(0.1)}, seed=0)), []
+
+
+def _shared_leaves_in_a_hand_built_state() -> Run:
+    s = _setup(donate=True)
+    state = s.state.clone()
+    state["opt_state", "student", "mu", "weight"] = state["params", "student", "weight"]
+    return (lambda: s.step(state, BATCH)), [state]
+
+
+def _train_step_without_optimizers() -> Run:
+    return (lambda: ps.train_step(ps.value_and_grad(_loss(_net())), {})), []
+
+
+def _train_step_with_a_transform_not_a_mapping() -> Run:
+    gf = ps.value_and_grad(_loss(_net()))
+    return (lambda: ps.train_step(gf, optim.adamw(1e-3))), []  # type: ignore[arg-type]
+
+
+def _accumulate_true() -> Run:
+    return (lambda: ps.accumulate(ps.value_and_grad(_loss(_net())), True)), []
+
+
+def _every_true() -> Run:
+    gf = ps.value_and_grad(_loss(_net()))
+    return (lambda: ps.train_step(gf, {"student": optim.sgd(0.1)}, every={"student": True})), []
+
+
+def _every_unknown_role() -> Run:
+    gf = ps.value_and_grad(_loss(_net()))
+    return (lambda: ps.train_step(gf, {"student": optim.sgd(0.1)}, every={"critic": 2})), []
+
+
+def _donated_state_stepped_again() -> Run:
+    s = _setup(donate=True)
+    state = s.state
+    s.step(state, BATCH)
+    return (lambda: s.step(state, BATCH)), [state]
+
+
+def _donated_state_given_to_apply_gradients() -> Run:
+    s = _setup()
+    state = s.state
+    ps.apply_gradients(state, _grads(state), s.opts, donate=True)
+    return (lambda: ps.apply_gradients(state, _grads(state), s.opts)), [state]
+
+
+def _donated_state_given_to_with_ema() -> Run:
+    s = _setup(donate=True)
+    step = ps.with_ema(s.step, 0.9, ["student"])
+    state = step.prepare(s.state)
+    step(state, BATCH)
+    return (lambda: step(state, BATCH)), [state]
+
+
+def _donated_skipped_step_reused() -> Run:
+    net = _net()
+    opts = {"student": optim.sgd(0.1)}
+
+    def nan_loss(p: TensorDictBase, b: TensorDictBase, key: torch.Tensor) -> Any:
+        return ps.call(net, p["student"], b["x"]).sum() * math.nan, {}
+
+    step = ps.skip_nonfinite(ps.train_step(ps.value_and_grad(nan_loss), opts, donate=True))
+    state = step.prepare(ps.init_state({"student": net}, opts, seed=0))
+    step(state, BATCH)
+    return (lambda: step(state, BATCH)), [state]
+
+
+def _grads_for_an_unknown_role() -> Run:
+    s = _setup()
+    grads = _grads(s.state, "nope")
+    opts = {"nope": optim.sgd(0.1)}
+    return (lambda: ps.apply_gradients(s.state, grads, opts)), [s.state]
+
+
+def _roles_names_an_unknown_role() -> Run:
+    s = _setup()
+    return (lambda: ps.apply_gradients(s.state, _grads(s.state), s.opts, roles=["nope"])), [s.state]
+
+
+def _roles_given_as_a_string() -> Run:
+    s = _setup()
+    return (lambda: ps.apply_gradients(s.state, _grads(s.state), s.opts, roles="student")), [
+        s.state
+    ]
+
+
+def _adamw_state_stepped_with_sgd() -> Run:
+    s = _setup(optim.adamw(1e-3))
+    other = ps.train_step(ps.value_and_grad(_loss(s.net)), {"student": optim.sgd(0.1, 0.9)})
+    return (lambda: other(s.state, BATCH)), [s.state]
+
+
+def _sgd_state_stepped_with_adamw_in_apply_gradients() -> Run:
+    s = _setup(optim.sgd(0.1, momentum=0.9))
+    opts = {"student": optim.adamw(1e-3)}
+    return (lambda: ps.apply_gradients(s.state, _grads(s.state), opts, donate=True)), [s.state]
+
+
+def _state_without(key: str) -> Callable[[], Run]:
+    def make() -> Run:
+        s = _setup()
+        state = s.state.exclude(key)
+        return (lambda: s.step(state, BATCH)), [state]
+
+    return make
+
+
+def _step_counter_of_another_dtype() -> Run:
+    s = _setup()
+    state = s.state.clone()
+    state["step"] = torch.zeros((), dtype=torch.float32)
+    return (lambda: s.step(state, BATCH)), [state]
+
+
+def _params_without_a_leaf() -> Run:
+    s = _setup(donate=True)
+    state = s.state.clone()
+    del state["params", "student", "bias"]
+    return (lambda: s.step(state, BATCH)), [state]
+
+
+def _params_with_an_extra_leaf() -> Run:
+    s = _setup()
+    state = s.state.clone()
+    state["params", "student", "extra"] = torch.zeros(3)
+    return (lambda: s.step(state, BATCH)), [state]
+
+
+def _params_reshaped_in_place_after_a_step() -> Run:
+    s = _setup(donate=True)
+    state, _ = s.step(s.state, BATCH)  # its nodes are checked now
+    state["params", "student", "bias"] = torch.zeros(3)  # edited in place
+    return (lambda: s.step(state, BATCH)), [state]
+
+
+def _optimizer_for_a_role_without_params() -> Run:
+    s = _setup()
+    opts = {"student": s.opts["student"], "critic": optim.sgd(0.1)}
+    step = ps.train_step(ps.value_and_grad(_loss(s.net)), opts)
+    return (lambda: step(s.state, BATCH)), [s.state]
+
+
+def _loss_returns_a_bare_tensor() -> Run:
+    s = _setup()
+    net = s.net
+
+    def bare(p: TensorDictBase, b: TensorDictBase, key: torch.Tensor) -> Any:
+        return (ps.call(net, p["student"], b["x"]) ** 2).mean()
+
+    step = ps.train_step(ps.value_and_grad(bare), s.opts)
+    return (lambda: step(s.state, BATCH)), [s.state]
+
+
+def _state_and_batch_swapped() -> Run:
+    s = _setup()
+    return (lambda: s.step(BATCH, s.state)), [s.state]
+
+
+def _init_state_given_a_module() -> Run:
+    return (lambda: ps.init_state(_net(), {}, seed=0)), []  # type: ignore[arg-type]
+
+
+def _ema_of_another_shape() -> Run:
+    s = _setup()
+    step = ps.with_ema(s.step, 0.9, ["student"])
+    state = step.prepare(s.state).clone()
+    state["ema", "student", "bias"] = torch.zeros(2)
+    return (lambda: step(state, BATCH)), [state]
+
+
+def _rng_shape(fn: Callable[..., Any]) -> Callable[[], Run]:
+    return lambda: ((lambda: fn(rng.key(0), (2**62, 4))), [])
+
+
+CASES = [
+    # schedules: checked over their whole domain when the optimizer is built
+    Case("linear lr goes negative", _schedule_negative_later, errors.ScheduleError, "count 6"),
+    Case("warmup_cosine(peak=-1)", _warmup_negative_peak, errors.ScheduleError, "count 1"),
+    Case("join goes negative", _join_negative_later, errors.ScheduleError, "count 11"),
+    Case(
+        "user lr callable negative",
+        _user_schedule_negative_at_update_2,
+        errors.ScheduleError,
+        "at update 2",
+    ),
+    Case("user lr callable NaN", _user_schedule_nan, errors.ScheduleError, "is nan"),
+    Case("lr=1e300", _lr_overflows_params, errors.ScheduleError, "overflows torch.float32"),
+    Case(
+        "user lr reaches 1e300",
+        _user_schedule_overflows_later,
+        errors.ScheduleError,
+        "at update 1 is 1e+300",
+    ),
+    # batches
+    Case("B=0 dict batch", _empty_batch, errors.BatchError, "B=0"),
+    Case("B=0 TensorDict batch", _empty_tensordict_batch, errors.BatchError, "B=0"),
+    Case("duplicate index", _duplicate_index, errors.BatchError, "5 at positions [0, 2]"),
+    Case(
+        "duplicate index, compiled",
+        _duplicate_index_compiled,
+        errors.BatchError,
+        "5 at positions [0, 2]",
+    ),
+    Case(
+        "duplicate index, accumulate",
+        _duplicate_index_under_accumulate,
+        errors.BatchError,
+        "1 at positions [0, 3]",
+    ),
+    # memory shared between roles or leaves
+    Case(
+        "one TensorDict for two roles",
+        _same_tensordict_for_two_roles,
+        errors.StateError,
+        "params.a.weight shares memory with params.b.weight",
+    ),
+    Case(
+        "one tensor under two keys",
+        _same_tensor_under_two_keys,
+        errors.StateError,
+        "params.m.w shares memory with params.m.v",
+    ),
+    Case("expanded param", _expanded_param, errors.StateError, "params.m.w overlaps itself"),
+    Case(
+        "moment aliases a param (donated)",
+        _shared_leaves_in_a_hand_built_state,
+        errors.StateError,
+        "params.student.weight shares memory with opt_state.student.mu.weight",
+    ),
+    # step construction
+    Case(
+        "train_step(grad_fn, {})", _train_step_without_optimizers, ValueError, "optimizers is empty"
+    ),
+    Case(
+        "train_step(grad_fn, adamw())",
+        _train_step_with_a_transform_not_a_mapping,
+        TypeError,
+        "optimizers is a Transform",
+    ),
+    Case("accumulate(grad_fn, True)", _accumulate_true, TypeError, "got True"),
+    Case("every={'student': True}", _every_true, TypeError, "every['student']"),
+    Case("every for an unknown role", _every_unknown_role, errors.RoleError, "every['critic']"),
+    # donation
+    Case(
+        "donated state stepped again",
+        _donated_state_stepped_again,
+        errors.DonatedStateError,
+        "donated train_step at step 0",
+    ),
+    Case(
+        "donated state to apply_gradients",
+        _donated_state_given_to_apply_gradients,
+        errors.DonatedStateError,
+        "apply_gradients(donate=True)",
+    ),
+    Case(
+        "donated state to with_ema",
+        _donated_state_given_to_with_ema,
+        errors.DonatedStateError,
+        "with_ema: this state was donated",
+    ),
+    Case(
+        "donated skipped step reused",
+        _donated_skipped_step_reused,
+        errors.DonatedStateError,
+        "(skipped)",
+    ),
+    # roles
+    Case(
+        "grads for an unknown role",
+        _grads_for_an_unknown_role,
+        errors.RoleError,
+        "grads for role 'nope', but the state has no params.nope",
+    ),
+    Case(
+        "roles=['nope']",
+        _roles_names_an_unknown_role,
+        errors.RoleError,
+        "no optimizer for role 'nope'",
+    ),
+    Case("roles='student'", _roles_given_as_a_string, TypeError, "use ['student']"),
+    Case(
+        "optimizer for a role without params",
+        _optimizer_for_a_role_without_params,
+        errors.StateError,
+        "no params.critic",
+    ),
+    # state structure
+    Case(
+        "adamw state, sgd step",
+        _adamw_state_stepped_with_sgd,
+        errors.StateError,
+        "missing opt_state.student.momentum_buffer",
+    ),
+    Case(
+        "sgd state, adamw apply_gradients",
+        _sgd_state_stepped_with_adamw_in_apply_gradients,
+        errors.StateError,
+        "unexpected opt_state.student.momentum_buffer",
+    ),
+    Case("state without step", _state_without("step"), errors.StateError, "no 'step'"),
+    Case("state without rng", _state_without("rng"), errors.StateError, "no 'rng'"),
+    Case("state without opt_state", _state_without("opt_state"), errors.StateError, "'opt_state'"),
+    Case("state without params", _state_without("params"), errors.StateError, "no 'params'"),
+    Case(
+        "float step counter",
+        _step_counter_of_another_dtype,
+        errors.StateError,
+        "state['step'] is a torch.float32 tensor",
+    ),
+    Case(
+        "params missing a leaf",
+        _params_without_a_leaf,
+        errors.StateError,
+        "params.student.bias is missing",
+    ),
+    Case(
+        "params with an extra leaf",
+        _params_with_an_extra_leaf,
+        errors.StateError,
+        "params.student.extra has no optimizer state",
+    ),
+    Case(
+        "param reshaped in place after a step",
+        _params_reshaped_in_place_after_a_step,
+        errors.StateError,
+        "for params.student.bias",
+    ),
+    Case(
+        "ema of another shape",
+        _ema_of_another_shape,
+        errors.StateError,
+        "ema.student.bias is a torch.float32 tensor of shape (2,)",
+    ),
+    # calls
+    Case(
+        "loss returns a bare tensor",
+        _loss_returns_a_bare_tensor,
+        TypeError,
+        "loss_fn must return (loss, metrics), got a Tensor",
+    ),
+    Case("step(batch, state)", _state_and_batch_swapped, TypeError, "step(state, batch)"),
+    Case("init_state(module, ...)", _init_state_given_a_module, TypeError, "params is a Linear"),
+    Case("rng.normal((2**62, 4))", _rng_shape(rng.normal), ValueError, "about 2**64"),
+    Case("rng.uniform((2**62, 4))", _rng_shape(rng.uniform), ValueError, "about 2**64"),
+    Case(
+        "rng.randint((2**62, 4))",
+        _rng_shape(lambda k, s: rng.randint(k, 0, 10, s)),
+        ValueError,
+        "about 2**64",
+    ),
+    Case(
+        "rng.bernoulli((2**62, 4))",
+        _rng_shape(lambda k, s: rng.bernoulli(k, 0.5, s)),
+        ValueError,
+        "about 2**64",
+    ),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_misuse_raises_a_clear_error_before_anything_changes(case: Case) -> None:
+    """Each misuse raises the documented type, naming the user's object, and mutates nothing."""
+    call, watched = case.make()
+    before = [testing.snapshot(t) for t in watched]
+    with pytest.raises(case.exc) as info:
+        call()
+    assert case.match in str(info.value), str(info.value)
+    for t, b in zip(watched, before, strict=True):
+        testing.assert_trees_equal(t, b, what=f"input of {case.name!r} after the error")
+
+
+def test_purestep_errors_are_the_builtins_they_replace() -> None:
+    """except ValueError / KeyError / RuntimeError clauses still catch purestep's errors."""
+    assert issubclass(errors.StateError, KeyError) and issubclass(errors.StateError, ValueError)
+    assert issubclass(errors.RoleError, KeyError) and issubclass(errors.BatchError, ValueError)
+    assert issubclass(errors.ScheduleError, ValueError)
+    assert issubclass(errors.DonatedStateError, RuntimeError)
+    assert issubclass(errors.NonFiniteError, FloatingPointError)
+    assert issubclass(errors.ModuleInUseError, RuntimeError)
+    for name in errors.__all__:
+        assert issubclass(getattr(errors, name), errors.PurestepError)
+        assert getattr(ps, name) is getattr(errors, name)
+    e = errors.StateError("params.m.w is missing", path=("params", "m", "w"))
+    assert str(e) == "params.m.w is missing"  # not KeyError's quoted repr
+
+
+# --- donation: the mark costs nothing and never blocks the returned state -----------------
+
+
+def test_a_donated_step_returns_a_new_state_that_keeps_working() -> None:
+    """Donated steps chain: each returns a fresh top-level state sharing the buffers."""
+    s = _setup(donate=True)
+    state = s.state
+    weight = state["params", "student", "weight"]
+    for _ in range(3):
+        new, _ = s.step(state, BATCH)
+        assert new is not state and ps.step.is_donated(state) and not ps.step.is_donated(new)
+        assert new["params", "student", "weight"] is weight  # updated in its own buffer
+        state = new
+    assert int(state["step"]) == 3
+
+
+def test_a_failed_donated_step_before_any_update_leaves_the_state_usable() -> None:
+    """An error raised before the first in-place write does not consume the state."""
+    s = _setup(optim.sgd(lr=lambda n: 0.1 if n < 1 else -1.0), donate=True)
+    state, _ = s.step(s.state, BATCH)
+    with pytest.raises(errors.ScheduleError):
+        s.step(state, BATCH)
+    assert not ps.step.is_donated(state)
+    with pytest.raises(errors.BatchError):
+        s.step(state, {"x": torch.ones(0, 2), "y": torch.zeros(0, 1)})
+    assert not ps.step.is_donated(state)
+
+
+def test_the_non_donated_path_never_marks_its_input() -> None:
+    """donate=False: the input may be stepped again (a fork), giving the same result."""
+    s = _setup()
+    a, _ = s.step(s.state, BATCH)
+    b, _ = s.step(s.state, BATCH)
+    testing.assert_trees_equal(a, b)
+
+
+# --- properties ---------------------------------------------------------------------------
+
+OPTIMIZERS: dict[str, Callable[[], optim.Transform]] = {
+    "adamw": lambda: optim.adamw(1e-2),
+    "adam_amsgrad": lambda: optim.adam(1e-2, amsgrad=True),
+    "sgd_momentum": lambda: optim.sgd(0.1, momentum=0.9, dampening=0.1),
+    "lion": lambda: optim.lion(1e-3),
+    "clip_adamw": lambda: optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(1e-2)),
+}
+KINDS = ("drop", "rename", "reshape", "retype")
+
+
+def _sum_sq_loss(p: TensorDictBase, b: TensorDictBase, key: torch.Tensor) -> Any:
+    losses = {
+        role: sum((t.float() ** 2).sum() for t in tree.leaves(p[role])) * b["x"].mean()
+        for role in p.keys()
+    }
+    return losses, {}
+
+
+@st.composite
+def built_states(draw: st.DrawFn) -> tuple[TensorDict, dict[str, optim.Transform]]:
+    """A valid state: 1-2 roles of random param trees, each with a random stateful optimizer."""
+    roles = draw(st.sampled_from([("a",), ("a", "b")]))
+    params = {r: draw(testing.param_trees(max_leaves=4)) for r in roles}
+    opts = {r: OPTIMIZERS[draw(st.sampled_from(sorted(OPTIMIZERS)))]() for r in roles}
+    return ps.init_state(params, opts, seed=draw(st.integers(0, 9))), opts
+
+
+def _mutate(state: TensorDict, draw: st.DrawFn) -> tuple[TensorDict, list[str]]:
+    """A copy of ``state`` with one thing wrong; returns it and the key paths the error must name."""
+    bad = state.clone()
+    where = draw(st.sampled_from(["params", "opt_state", "role", "counter"]))
+    if where == "role":
+        top = draw(st.sampled_from(["params", "opt_state"]))
+        role = draw(st.sampled_from(sorted(bad[top].keys())))
+        del bad[top, role]
+        return bad, [f"{top}.{role}"]
+    if where == "counter":
+        key = draw(st.sampled_from(["step", "rng"]))
+        if draw(st.booleans()):
+            del bad[key]
+        else:
+            bad[key] = bad[key].to(torch.int32)
+        return bad, [key]
+    items = list(zip(tree.paths(bad[where]), tree.leaves(bad[where]), strict=True))
+    path, leaf = draw(st.sampled_from(items))
+    full = (where, *path)
+    name = tree.format_path(full)
+    kind = draw(st.sampled_from(KINDS))
+    if kind == "drop":
+        del bad[full]
+        return bad, [name]
+    if kind == "rename":
+        del bad[full]
+        bad[(*full[:-1], full[-1] + "_renamed")] = leaf
+        return bad, [name, name + "_renamed"]
+    if kind == "reshape":
+        bad[full] = torch.zeros((*leaf.shape, 2), dtype=leaf.dtype)
+        return bad, [name]
+    other = {torch.float32: torch.float64, torch.float64: torch.float32}.get(
+        leaf.dtype, torch.float32
+    )
+    bad[full] = leaf.to(other)
+    return bad, [name]
+
+
+@settings(max_examples=60, deadline=None)
+@given(built=built_states(), data=st.data(), donate=st.booleans(), use_apply=st.booleans())
+def test_every_step_succeeds_on_valid_states_and_names_the_wrong_key_path_otherwise(
+    built: tuple[TensorDict, dict[str, optim.Transform]],
+    data: st.DataObject,
+    donate: bool,
+    use_apply: bool,
+) -> None:
+    """Valid random states step; a leaf dropped/renamed/reshaped/re-typed or a role or counter
+    missing raises a PurestepError whose message names that exact key path, and changes nothing."""
+    state, opts = built
+    step = ps.train_step(ps.value_and_grad(_sum_sq_loss), opts, donate=donate)
+    batch = {"x": torch.ones(2, 1)}
+
+    grads = TensorDict({r: state["params", r].apply(torch.ones_like) for r in opts}, [])
+
+    def run(s: TensorDict) -> None:
+        if use_apply:
+            ps.apply_gradients(s, grads, opts, donate=donate)
+        else:
+            step(s, batch)
+
+    bad, names = _mutate(state, data.draw)
+    if use_apply and names in (["step"], ["rng"]):
+        return  # apply_gradients does not use the counters
+    run(state.clone())  # the valid state steps
+    before = testing.snapshot(bad)
+    with pytest.raises(errors.PurestepError) as info:
+        run(bad)
+    message = str(info.value)
+    assert all(n in message for n in names), (names, message)
+    testing.assert_trees_equal(bad, before, what="the wrong state after the error")
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    kind=st.sampled_from(["constant", "linear", "cosine", "warmup_cosine", "warmup_linear", "pc"]),
+    a=st.floats(-2.0, 2.0),
+    b=st.floats(-2.0, 2.0),
+    steps=st.integers(1, 60),
+    warm=st.integers(0, 20),
+    offset=st.integers(0, 30),
+)
+def test_first_count_below_zero_is_the_first_negative_count_of_purestep_schedules(
+    kind: str, a: float, b: float, steps: int, warm: int, offset: int
+) -> None:
+    """first_count_below(s) == min{n : s(n) < 0} (or None), checked by evaluating every count,
+    also for a schedule joined after another; optimizers refuse exactly those schedules."""
+    make: dict[str, Callable[[], optim.Schedule]] = {
+        "constant": lambda: schedules.constant(a),
+        "linear": lambda: schedules.linear(a, b, steps),
+        "cosine": lambda: schedules.cosine_decay(a, steps, end=b),
+        "warmup_cosine": lambda: schedules.warmup_cosine(a, warm, warm + steps, init=b, end=b),
+        "warmup_linear": lambda: schedules.warmup_linear(b, warm, warm + steps, init=a),
+        "pc": lambda: schedules.piecewise_constant(a, {steps: -1.0 if b < 0 else 1.0}),
+    }
+    s = make[kind]()
+    joined = schedules.join([schedules.constant(1.0), s], [offset])
+    horizon = warm + steps + 2
+    for sched, shift in ((s, 0), (joined, offset)):
+        brute = next((n for n in range(horizon + shift) if sched(n) < 0), None)
+        assert schedules.first_count_below(sched) == brute
+        if brute is None:
+            optim.sgd(lr=sched)
+        else:
+            with pytest.raises(errors.ScheduleError, match=f"count {brute}"):
+                optim.sgd(lr=sched)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    kind=st.sampled_from(["constant", "linear", "cosine", "warmup_cosine", "pc"]),
+    a=st.floats(-2.0, 2.0),
+    b=st.floats(-2.0, 2.0),
+    steps=st.integers(1, 60),
+    warm=st.integers(1, 20),
+    every=st.integers(1, 5),
+)
+def test_first_count_below_of_in_steps_is_the_first_negative_update_or_left_to_the_updates(
+    kind: str, a: float, b: float, steps: int, warm: int, every: int
+) -> None:
+    """For in_steps(s, every), first_count_below is min{n : s(every * n) < 0} whenever s stays
+    negative once it goes negative (ramps, constants, piecewise constants); for a schedule that
+    comes back up (a warmup into a negative peak, then a decay) it is that or None, never a
+    wrong count, and None leaves the check to each update."""
+    make: dict[str, Callable[[], optim.Schedule]] = {
+        "constant": lambda: schedules.constant(a),
+        "linear": lambda: schedules.linear(a, b, steps),
+        "cosine": lambda: schedules.cosine_decay(a, steps, end=b),
+        "warmup_cosine": lambda: schedules.warmup_cosine(a, warm, warm + steps, init=b, end=b),
+        "pc": lambda: schedules.piecewise_constant(a, {steps: -1.0 if b < 0 else 1.0}),
+    }
+    sched = schedules.in_steps(make[kind](), every=every)
+    horizon = (warm + steps) // every + 2
+    brute = next((n for n in range(horizon) if sched(n) < 0), None)
+    found = schedules.first_count_below(sched)
+    if kind == "warmup_cosine":
+        assert found in (brute, None)
+    else:
+        assert found == brute
+    if found is not None:
+        with pytest.raises(errors.ScheduleError, match=f"count {found}"):
+            optim.sgd(lr=sched)
+
+
+def test_first_count_below_cannot_see_into_user_callables() -> None:
+    """A plain callable is opaque (None); it is checked at every update instead."""
+    assert schedules.first_count_below(lambda n: -1.0) is None
+    joined = schedules.join([lambda n: 1.0, schedules.constant(-1.0)], [3])
+    assert schedules.first_count_below(joined) == 3
+
+
+def test_schedule_values_that_overflow_are_refused_when_built() -> None:
+    """Interpolating between huge end points, or products of scales, must stay finite."""
+    with pytest.raises(ValueError, match="end - start overflows"):
+        schedules.linear(1e308, -1e308, 10)
+    with pytest.raises(ValueError, match=r"init - end|end - init"):
+        schedules.cosine_decay(-1e308, 10, end=1e308)
+    with pytest.raises(ValueError, match="boundary 3"):
+        schedules.piecewise_constant(1e300, {3: 1e10})
+
+
+def test_replacing_a_role_subtree_after_a_step_is_checked_again() -> None:
+    """The once-per-structure cache is keyed by node identity: a new subtree is a new check."""
+    s = _setup(donate=True)
+    state, _ = s.step(s.state, BATCH)
+    state["params", "student"] = TensorDict({"weight": torch.zeros(1, 2)}, [])
+    with pytest.raises(errors.StateError, match=r"params\.student\.bias is missing"):
+        s.step(state, BATCH)
