@@ -17,6 +17,10 @@ Cases (same model, same batch, same initial weights for both variants):
   150 tensors; batch 64. Compute per step is small, so per-leaf Python
   overhead shows.
 * ``accum``: the ``large`` model, batch 8 x 16, four microbatches of 2.
+* ``mixed`` (only with ``--case mixed``): the ``small`` model under bf16
+  autocast; purestep holds bf16 params and steps them with
+  ``optim.mixed_precision(adamw)`` (fp32 master weights and moments), the
+  loop is torch's AMP recipe (fp32 model, autocast, ``AdamW(fused=True)``).
 
 With ``--device cuda`` the cases are (default: all three):
 
@@ -168,12 +172,23 @@ CASES: dict[str, dict[str, Any]] = {
     "large": {"model": "transformer", "shape": (4, 16, 64), "k": 1},
     "small": {"model": "deep", "shape": (64, 116), "k": 1},
     "accum": {"model": "transformer", "shape": (8, 16, 64), "k": 4},
+    # bf16 autocast; purestep keeps bf16 params with optim.mixed_precision(adamw) (fp32
+    # masters and moments in the optimizer state) against torch's AMP loop (fp32 model +
+    # autocast + AdamW(fused=True)); run it with --case mixed (not part of "all")
+    "mixed": {"model": "deep", "shape": (64, 116), "k": 1, "amp": True, "mixed": True},
     "gpt100m": {"model": "transformer100m", "shape": (16, 512, 64), "k": 1, "amp": True},
     "gpt100m-accum": {"model": "transformer100m", "shape": (16, 512, 64), "k": 4, "amp": True},
 }
 CPU_CASES = ["large", "small", "accum"]
 CUDA_CASES = ["gpt100m", "gpt100m-accum", "small"]
-TARGETS = {"large": 1.03, "small": 1.10, "accum": 1.03, "gpt100m": 1.02, "gpt100m-accum": 1.03}
+TARGETS = {
+    "large": 1.03,
+    "small": 1.10,
+    "accum": 1.03,
+    "mixed": 1.10,
+    "gpt100m": 1.02,
+    "gpt100m-accum": 1.03,
+}
 CUDA_TARGETS = {**TARGETS, "small": 1.03}
 DEVICE = torch.device("cpu")  # set by main(); every case builds its model and batch there
 MEM_TARGET = 1.05
@@ -258,8 +273,13 @@ def purestep_variant(
     donate: bool = True,
     grad_norm: bool = True,
     autocast: bool = False,
+    mixed: bool = False,
 ) -> StepFn:
-    """``train_step`` over an explicit state; the module's own weights go to ``meta``."""
+    """``train_step`` over an explicit state; the module's own weights go to ``meta``.
+
+    With ``mixed`` the params are bf16 and the optimizer is
+    ``optim.mixed_precision(adamw)`` (fp32 masters built from the fp32 module).
+    """
 
     def loss_fn(
         params: TensorDictBase, b: TensorDictBase, key: torch.Tensor
@@ -267,12 +287,16 @@ def purestep_variant(
         with amp(autocast):
             return mse(purestep.call(model, params["student"], b["x"]), b["y"]).float(), {}
 
-    opts = {"student": optim.adamw(lr=LR, weight_decay=WEIGHT_DECAY)}
+    adamw = optim.adamw(lr=LR, weight_decay=WEIGHT_DECAY)
+    opts = {"student": optim.mixed_precision(adamw) if mixed else adamw}
     grad_fn = purestep.value_and_grad(loss_fn)
     if k > 1:
         grad_fn = purestep.accumulate(grad_fn, k)
     train = purestep.train_step(grad_fn, opts, donate=donate, grad_norm=grad_norm)
-    holder = {"state": purestep.init_state({"student": model}, opts, seed=0)}
+    state = purestep.init_state({"student": model}, opts, seed=0)
+    if mixed:
+        state.set("params", state.get("params").to(torch.bfloat16))
+    holder = {"state": state}
     model.to("meta")  # the state owns the weights; the module is a template
 
     def step() -> None:
@@ -304,18 +328,28 @@ BASELINE = {
 def make(case: str, variant: str) -> StepFn:
     model, batch = build(case)
     spec = CASES[case]
-    return VARIANTS[variant](model, batch, spec["k"], autocast=spec.get("amp", False))
+    kw = {"mixed": True} if spec.get("mixed") and variant.startswith("purestep") else {}
+    return VARIANTS[variant](model, batch, spec["k"], autocast=spec.get("amp", False), **kw)
 
 
 def check_same_result(case: str) -> float:
-    """Max abs difference of the weights after 2 steps of ``torch`` and ``purestep``."""
+    """Max abs difference of the weights after 2 steps of ``torch`` and ``purestep``.
+
+    For ``mixed`` purestep's fp32 master weights are compared.
+    """
     t = make(case, "torch")
     p = make(case, "purestep")
     for _ in range(2):
         t()
         p()
     ref = TensorDict.from_module(t.model).detach()  # type: ignore[attr-defined]
-    got = p.holder["state"]["params", "student"]  # type: ignore[attr-defined]
+    state = p.holder["state"]  # type: ignore[attr-defined]
+    # mixed: the fp32 masters are what torch's fp32 weights correspond to
+    got = (
+        state["opt_state", "student", "master"]
+        if CASES[case].get("mixed")
+        else state["params", "student"]
+    )
     tree.assert_same_structure(ref, got, what="purestep params", like="torch params")
     return max(
         float((a - b).abs().max()) for a, b in zip(tree.leaves(ref), tree.leaves(got), strict=True)
