@@ -179,11 +179,15 @@ def test_compile_wrapper_keeps_the_module_under_orig_mod() -> None:
 
 
 def test_inductor_standalone_compile_and_mode_options_keep_their_shape() -> None:
-    """``standalone_compile`` takes purestep's keywords; ``reduce-overhead`` asks for CUDA graphs."""
+    """``standalone_compile`` takes purestep's keywords (``donate_graph_module`` only from torch
+    2.12, passed where it exists); ``reduce-overhead`` asks for CUDA graphs."""
+    from purestep.compile._backend import _takes_donate_graph_module
+
     with internal("torch._inductor.standalone_compile"):
         params = inspect.signature(torch._inductor.standalone_compile).parameters
-        for kw in ("dynamic_shapes", "options", "donate_graph_module"):
+        for kw in ("dynamic_shapes", "options"):
             assert kw in params, f"no {kw}= keyword: {list(params)}"
+        assert _takes_donate_graph_module() == ("donate_graph_module" in params)
     with internal("torch._inductor.list_mode_options"):
         opts = torch._inductor.list_mode_options("reduce-overhead")
         assert opts.get("triton.cudagraphs") is True, opts
