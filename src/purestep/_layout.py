@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import sys
 import weakref
+from collections.abc import Hashable
 from itertools import chain
 from typing import Any
 
@@ -82,7 +83,7 @@ class Layout:
         self.params: list[tuple[KeyPath, torch.Tensor]] = []
         self.buffers: list[tuple[KeyPath, torch.Tensor, bool]] = []
         self.canonical: dict[KeyPath, KeyPath] = {}
-        self.plans: dict[tuple[KeyPath, ...], Any] = {}  # step._swap's Plan cache
+        self.plans: dict[Hashable, Any] = {}  # step._swap's Plan cache
         self._dicts: list[dict[str, Any]] = []
         first_path: dict[int, KeyPath] = {}
         obj_slots: dict[int, list[_Slot]] = {}

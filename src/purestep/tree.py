@@ -23,7 +23,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from contextvars import ContextVar
 from typing import Any, cast
 
@@ -41,6 +41,7 @@ __all__ = [
     "format_path",
     "global_norm",
     "group_by_device_dtype",
+    "keyed_leaves",
     "leaves",
     "local",
     "map_with_leaves",
@@ -97,6 +98,47 @@ def _flatten(td: TensorDictBase) -> tuple[list[KeyPath], list[torch.Tensor]] | N
     keys: list[KeyPath] = []
     vals: list[torch.Tensor] = []
     return (keys, vals) if _collect_items(td, (), keys, vals) else None
+
+
+_GENERIC_KEY = object()  # marks structure keys built from paths (no plain signature collides)
+
+
+def _collect_signature(td: TensorDict, out: list[torch.Tensor]) -> tuple[Any, ...] | None:
+    sig: list[Any] = []
+    for k, v in td._tensordict.items():
+        if isinstance(v, torch.Tensor):
+            out.append(v)
+            sig.append(k)
+        elif type(v) is TensorDict:
+            sub = _collect_signature(v, out)
+            if sub is None:
+                return None
+            sig.append((k, sub))
+        else:
+            return None
+    return tuple(sig)
+
+
+def keyed_leaves(td: TensorDictBase) -> tuple[Hashable, list[torch.Tensor]]:
+    """``(structure, leaves)`` in one walk: a hashable key of the tree's key layout, and :func:`leaves`.
+
+    Two trees have equal structure keys exactly when they have the same key
+    paths in the same order (shapes are not part of it), so a plan computed
+    from :func:`paths` can be cached under it without building the paths.
+
+    Example:
+        >>> from tensordict import TensorDict
+        >>> a = TensorDict({"m": {"w": torch.ones(1)}, "b": torch.zeros(2)}, [])
+        >>> key, ls = keyed_leaves(a)
+        >>> key == keyed_leaves(a.clone())[0], len(ls)
+        (True, 2)
+    """
+    if type(td) is _compat.PLAIN_TD:
+        out: list[torch.Tensor] = []
+        sig = _collect_signature(td, out)
+        if sig is not None:
+            return sig, out
+    return (_GENERIC_KEY, tuple(paths(td))), leaves(td)
 
 
 def _same_structure(a: TensorDict, b: TensorDict, check_shapes: bool) -> bool:
@@ -415,6 +457,11 @@ def group_by_device_dtype(
         >>> sorted(len(v) for v in g.values())
         [1, 1]
     """
+    if not tensors:
+        return {}
+    device, dtype = tensors[0].device, tensors[0].dtype
+    if all(t.dtype is dtype and t.device == device for t in tensors):
+        return {(device, dtype): list(range(len(tensors)))}  # the common case, one group
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i, t in enumerate(tensors):
         groups.setdefault((t.device, t.dtype), []).append(i)

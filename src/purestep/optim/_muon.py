@@ -61,6 +61,7 @@ from purestep.optim._kernels import (
     checked_lr,
     kernel_transform,
     lr_at,
+    pack_steps,
     pick,
     scalar_state,
     step_device,
@@ -393,7 +394,9 @@ def muon(
             torch.zeros(0, dtype=p.dtype, device=tree.local(p).device) if c else torch.zeros_like(p)
             for p, c in zip(leaves, chosen, strict=True)
         ]
-        steps = [torch.zeros((), dtype=torch.float32, device=step_device(p, True)) for p in leaves]
+        steps = pack_steps(
+            [torch.zeros((), dtype=torch.float32, device=step_device(p, True)) for p in leaves]
+        )
         state: dict[str, object] = dict(scalar_state(0, checked_lr(hp.lr, 0, name)))
         state["mu"] = tree.zeros_like(params)
         state["nu"] = tree.rebuild(params, nu)

@@ -382,8 +382,7 @@ def call(
     if type(params) is not TensorDict or _registration_hooks():
         with _expanded(target, params).to_module(target):
             return _run(module, args, kwargs, key, params)
-    plan = _swap.plan_for(target, params)
-    leaves = tree.leaves(params)
+    plan, leaves = _swap.plan_and_leaves(target, params)
     scope = _SCOPE.get()
     if scope is not None:
         return scope.run(

@@ -53,6 +53,7 @@ __all__ = [
     "Plan",
     "acquire",
     "layout_of",
+    "plan_and_leaves",
     "plan_for",
     "release",
     "restore",
@@ -114,13 +115,26 @@ def plan_for(module: nn.Module, td: TensorDictBase) -> Plan:
         >>> len(plan_for(nn.Linear(1, 1), TensorDict({"bias": torch.zeros(1)}, [])).entries)
         1
     """
+    return plan_and_leaves(module, td)[0]
+
+
+def plan_and_leaves(module: nn.Module, td: TensorDictBase) -> tuple[Plan, list[torch.Tensor]]:
+    """:func:`plan_for` and ``tree.leaves(td)``, from one walk of ``td``.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> from tensordict import TensorDict
+        >>> plan, leaves = plan_and_leaves(nn.Linear(1, 1), TensorDict({"bias": torch.ones(1)}, []))
+        >>> plan.paths, leaves
+        ([('bias',)], [tensor([1.])])
+    """
     layout = layout_of(module)
-    paths = tree.paths(td)
-    key = tuple(paths)
+    key, leaves = tree.keyed_leaves(td)
     plan = layout.plans.get(key)
     if plan is None:
-        plan = layout.plans[key] = Plan(layout, paths, unwrap(module))
-    return plan
+        plan = layout.plans[key] = Plan(layout, tree.paths(td), unwrap(module))
+    return plan, leaves
 
 
 # Thread ownership of slot dicts: id(dict) -> (thread ident, nesting depth).
