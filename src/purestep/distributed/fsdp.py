@@ -53,9 +53,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from purestep import tree
-from purestep.distributed._data_parallel import (
-    Group as Group,  # the group type of the data-parallel helpers' signatures
-)
+from purestep.distributed._data_parallel import Group as Group  # the helpers' group type
 from purestep.distributed._data_parallel import (
     dp_rank,
     dp_size,
