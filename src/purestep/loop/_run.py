@@ -6,7 +6,6 @@ import contextlib
 import datetime
 import importlib
 import os
-import re
 import signal
 import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -118,9 +117,6 @@ def _check_timeout(value: Any) -> None:
         raise ValueError(f"run: collective_timeout must be positive, got {value!r}")
 
 
-_TD_MISSING = re.compile(r'key "(.+?)" not found in \w+ with keys \[(.*)\]', re.S)
-
-
 def _key_sets(td: TensorDictBase) -> list[set[str]]:
     out = [set(td.keys())]
     for k in td.keys():
@@ -130,16 +126,37 @@ def _key_sets(td: TensorDictBase) -> list[set[str]]:
     return out
 
 
-def _missing_batch_key(err: KeyError, batch: TensorDictBase) -> str | None:
-    """The key named by a TensorDict KeyError raised on ``batch`` (or a split of it)."""
-    msg = err.args[0] if err.args else None
-    m = _TD_MISSING.search(msg) if isinstance(msg, str) else None
-    if m is None:
-        return None
-    listed = set(re.findall(r"'([^']*)'", m.group(2)))
-    for keys in _key_sets(batch):
-        if listed in (keys, keys | {"index"}):
-            return m.group(1)
+def _missing_batch_key(err: KeyError, batch: TensorDictBase) -> str | tuple[str, ...] | None:
+    """The key a failed lookup on ``batch`` (or a node or split of it) asked for, or None.
+
+    Read from the traceback, not from the error's text: the outermost frame of a
+    method called on such a TensorDict (``td[key]``, ``td.get(key)``: the key is
+    the first argument after ``self``) whose key the TensorDict lacks. A split
+    is recognised by its keys (a batch's, perhaps plus the ``"index"`` the step
+    adds); a failed lookup on anything else (the state, a dict) is not a batch key.
+    """
+    nodes = _key_sets(batch)
+    tb = err.__traceback__
+    while tb is not None:
+        frame, tb = tb.tb_frame, tb.tb_next
+        code = frame.f_code
+        names = code.co_varnames[: code.co_argcount]
+        if len(names) < 2 or names[0] != "self":
+            continue
+        td = frame.f_locals.get("self")
+        if not isinstance(td, TensorDictBase):
+            continue
+        keys = set(td.keys())
+        if keys not in nodes and keys - {"index"} not in nodes:
+            continue
+        key = frame.f_locals.get(names[1])
+        if isinstance(key, tuple) and len(key) == 1:
+            key = key[0]
+        if isinstance(key, tuple) and key and all(isinstance(k, str) for k in key):
+            if key not in td.keys(include_nested=True):
+                return cast(tuple[str, ...], key)
+        elif isinstance(key, str) and key not in keys:
+            return key
     return None
 
 
