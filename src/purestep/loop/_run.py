@@ -16,6 +16,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from purestep._images import write_png
+from purestep._keys import STEP
 from purestep.distributed import checkpoint as ckpt
 from purestep.loop._checkpointing import (
     LOOP_KEY,
@@ -65,7 +66,7 @@ class Preempted(SystemExit):
     def __init__(self, state: TensorDictBase, signum: int, checkpoint: Path | None) -> None:
         super().__init__(128 + signum)
         self.state = state
-        self.step = int(state.get("step"))
+        self.step = int(state.get(STEP))
         self.signum = signum
         self.checkpoint = checkpoint
 
@@ -388,7 +389,7 @@ def run(
         state = prepare(state)
     if LOOP_KEY in state:
         raise ValueError(f"run: the state has a top-level key {LOOP_KEY!r}, reserved for the loop")
-    if "step" not in state:
+    if STEP not in state:
         raise KeyError("run: the state has no 'step' counter (build it with purestep.init_state)")
     root = None if checkpoint_dir is None else Path(checkpoint_dir)
     if root is not None:
@@ -401,7 +402,7 @@ def run(
         source = None
         if sources:
             state, source = restore_any(sources, state, stream)
-        s = int(state.get("step"))
+        s = int(state.get(STEP))
         if s > num_steps:
             raise ValueError(f"run: resumed at step {s}, past num_steps={num_steps}")
         buf = MetricBuffer()
@@ -432,7 +433,7 @@ def run(
                 while s < num_steps:
                     phase[0] = f"in step {s + 1} (state['step'] was {s})"
                     state, metrics = _call(step, state, _to_batch(stream.next(), s), s)
-                    new = int(state.get("step"))
+                    new = int(state.get(STEP))
                     if new <= s:
                         raise RuntimeError(
                             f"run: the step did not advance state['step'] (was {s}, now {new})"

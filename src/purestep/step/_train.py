@@ -13,6 +13,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from purestep import rng, tree
+from purestep._keys import BUFFERS, OPT_STATE, PARAMS, RNG, SKIP, SKIP_CONSECUTIVE, SKIP_TOTAL, STEP
 from purestep.errors import NonFiniteError, PurestepError, RoleError, StateError, with_prefix
 from purestep.optim import Transform, current_lr
 from purestep.step._batch import Batch, prepare_batch
@@ -41,7 +42,7 @@ def _check_bound_donation(state: TensorDictBase, roles: Sequence[str], donate: b
     if donate:
         return
     for role in roles:
-        if is_bound(state.get(("params", role))):
+        if is_bound(state.get((PARAMS, role))):
             raise ValueError(
                 f"role {role!r} is bound to a module (FSDP); its params are the module's own "
                 "parameters and are updated in place: build the step with donate=True"
@@ -120,7 +121,7 @@ def apply_gradients(
             )
     if isinstance(state, TensorDictBase):
         check_live(state, "apply_gradients")
-        have = state.get("params") if "params" in state.keys() else None
+        have = state.get(PARAMS) if PARAMS in state.keys() else None
         if isinstance(have, TensorDictBase):
             for role in roles:
                 if role not in have.keys():
@@ -154,8 +155,8 @@ def _apply(
     done = 0
     try:
         for role in roles:
-            params = state.get(("params", role))
-            opt_state = state.get(("opt_state", role))
+            params = state.get((PARAMS, role))
+            opt_state = state.get((OPT_STATE, role))
             try:
                 new_params, new_opt = optimizers[role].step(
                     grads.get(role), opt_state, params, donate=donate
@@ -171,9 +172,9 @@ def _apply(
                     raise with_prefix(e, f"role {role!r}: ") from e
                 raise
             if new_params is not params:
-                out.set(("params", role), new_params)
+                out.set((PARAMS, role), new_params)
             if new_opt is not opt_state:
-                out.set(("opt_state", role), new_opt)
+                out.set((OPT_STATE, role), new_opt)
             done += 1
     except BaseException:
         # a failure before the first role's update leaves the state as it was (kernels
@@ -188,9 +189,9 @@ def _apply(
 
 def _next_step(state: TensorDictBase, out: TensorDictBase, donate: bool) -> None:
     if donate:
-        out.get("step").add_(1)
+        out.get(STEP).add_(1)
     else:
-        out.set("step", state.get("step") + 1)
+        out.set(STEP, state.get(STEP) + 1)
 
 
 @attrs.frozen
@@ -228,11 +229,11 @@ class TrainStep:
         entry = state
         state = self.prepare(state)
         batch = prepare_batch(batch)
-        step = int(state.get("step"))
-        key = rng.fold_in(state.get("rng"), state.get("step"))
+        step = int(state.get(STEP))
+        key = rng.fold_in(state.get(RNG), state.get(STEP))
         roles = self.due_roles(step)
         _check_bound_donation(state, roles, self.donate)
-        params = state.get("params")
+        params = state.get(PARAMS)
         work = _working_buffers(state)
         extra: dict[str, Any] = {}
         if _takes(self.grad_fn, "buffers"):
@@ -280,13 +281,13 @@ class TrainStep:
             if state is not entry:
                 mark_donated(state, what)
         if new_buffers is not None:
-            out.set("buffers", new_buffers)
+            out.set(BUFFERS, new_buffers)
         _next_step(state, out, self.donate)
         if self.skip_nonfinite:
             set_skip(out, state, consecutive=0, total_inc=0, donate=self.donate)
             metrics.set("skipped", torch.zeros((), dtype=torch.bool))
         for role in updated:
-            lr = current_lr(out.get(("opt_state", role)))
+            lr = current_lr(out.get((OPT_STATE, role)))
             if lr is not None:
                 metrics.set((role, "lr"), lr)
             if role in norms:
@@ -317,15 +318,15 @@ def _check_skip(skip: object) -> None:
         raise StateError(
             f"skip_nonfinite: state['skip'] is a {type(skip).__name__}; it keeps a "
             "tree {'total', 'consecutive'} there (drop it and call step.prepare to rebuild)",
-            path=("skip",),
+            path=(SKIP,),
         )
-    for key in ("total", "consecutive"):
+    for key in (SKIP_TOTAL, SKIP_CONSECUTIVE):
         t = skip.get(key) if key in skip.keys() else None
         if not (isinstance(t, torch.Tensor) and t.dtype == torch.int64 and t.numel() == 1):
             raise StateError(
                 f"skip_nonfinite: state['skip', {key!r}] must be an int64 0-dim tensor (a count of "
                 "skipped steps); drop state['skip'] and call step.prepare to rebuild it",
-                path=("skip", key),
+                path=(SKIP, key),
             )
 
 
@@ -361,14 +362,14 @@ def _working_buffers(state: TensorDictBase) -> TensorDict | None:
     Always a copy, donated or not: a step that is skipped (non-finite) leaves
     the buffers as they were.
     """
-    if "buffers" not in state.keys():
+    if BUFFERS not in state.keys():
         return None
-    buffers = state.get("buffers")
+    buffers = state.get(BUFFERS)
     out = {}
     for role in buffers.keys():
         role_bufs = buffers.get(role)
         # a bound role's buffers are the module's own, updated in place by its forward
-        out[role] = role_bufs if is_bound(state.get(("params", role))) else tree.clone(role_bufs)
+        out[role] = role_bufs if is_bound(state.get((PARAMS, role))) else tree.clone(role_bufs)
     return tree.plain_td(out)
 
 
@@ -378,8 +379,8 @@ def _split_written(
     """The new buffers, and the params the forward wrote in place, from the working copy."""
     if work is None:
         return None, {}
-    has_buffers = "buffers" in state.keys()
-    old = state.get("buffers") if has_buffers else None
+    has_buffers = BUFFERS in state.keys()
+    old = state.get(BUFFERS) if has_buffers else None
     written: dict[str, TensorDict] = {}
     out: dict[str, Any] = {}
     for role in work.keys():
@@ -406,10 +407,10 @@ def _with_written_params(
     if donate:
         for role, td in written.items():
             for path, leaf in zip(tree.paths(td), tree.leaves(td), strict=True):
-                state.get(("params", role, *path)).copy_(leaf)
+                state.get((PARAMS, role, *path)).copy_(leaf)
         return state
     out = state.copy()
-    params = out.get("params").copy()
+    params = out.get(PARAMS).copy()
     for role, td in written.items():
         like = params.get(role)
         new = dict(zip(tree.paths(td), tree.leaves(td), strict=True))
@@ -420,7 +421,7 @@ def _with_written_params(
                 [new.get(p, t) for p, t in zip(tree.paths(like), tree.leaves(like), strict=True)],
             ),
         )
-    out.set("params", params)
+    out.set(PARAMS, params)
     return out
 
 
@@ -457,11 +458,11 @@ def skip_update(
         >>> int(out["step"]), int(out["skip", "total"]), bool(m["skipped"])
         (5, 1, True)
     """
-    consecutive = int(state.get(("skip", "consecutive"))) + 1
+    consecutive = int(state.get((SKIP, SKIP_CONSECUTIVE))) + 1
     if max_consecutive is not None and consecutive > max_consecutive:
         raise NonFiniteError(
             f"{consecutive} consecutive steps with a non-finite loss or gradient "
-            f"(max_consecutive={max_consecutive}), last at step {int(state.get('step'))}"
+            f"(max_consecutive={max_consecutive}), last at step {int(state.get(STEP))}"
         )
     out = cast(TensorDict, state) if donate else state.copy()
     _next_step(state, out, donate)
@@ -478,12 +479,12 @@ def add_skip_counters(state: TensorDictBase) -> TensorDict:
         >>> sorted(add_skip_counters(TensorDict({}, []))["skip"].keys())
         ['consecutive', 'total']
     """
-    if "skip" in state.keys():
-        _check_skip(state.get("skip"))
+    if SKIP in state.keys():
+        _check_skip(state.get(SKIP))
         return cast(TensorDict, state)
     out = state.copy()
     zero = torch.zeros((), dtype=torch.int64)
-    out.set("skip", TensorDict({"total": zero, "consecutive": zero.clone()}, []))
+    out.set(SKIP, TensorDict({SKIP_TOTAL: zero, SKIP_CONSECUTIVE: zero.clone()}, []))
     return out
 
 
@@ -500,13 +501,13 @@ def set_skip(
         >>> int(s["skip", "consecutive"])
         0
     """
-    total = state.get(("skip", "total"))
+    total = state.get((SKIP, SKIP_TOTAL))
     if donate:
-        out.get(("skip", "consecutive")).fill_(consecutive)
+        out.get((SKIP, SKIP_CONSECUTIVE)).fill_(consecutive)
         total.add_(total_inc)
     else:
-        out.set(("skip", "consecutive"), torch.tensor(consecutive, dtype=torch.int64))
-        out.set(("skip", "total"), total + total_inc)
+        out.set((SKIP, SKIP_CONSECUTIVE), torch.tensor(consecutive, dtype=torch.int64))
+        out.set((SKIP, SKIP_TOTAL), total + total_inc)
 
 
 def train_step(
