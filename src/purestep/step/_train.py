@@ -6,18 +6,19 @@ import contextlib
 import inspect
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Protocol, cast
+from typing import Any, Protocol
 
 import attrs
 import torch
 from tensordict import TensorDict, TensorDictBase
 
 from purestep import rng, tree
-from purestep._keys import BUFFERS, OPT_STATE, PARAMS, RNG, SKIP, SKIP_CONSECUTIVE, SKIP_TOTAL, STEP
-from purestep.errors import NonFiniteError, PurestepError, RoleError, StateError, with_prefix
+from purestep._keys import BUFFERS, OPT_STATE, PARAMS, RNG, STEP
+from purestep.errors import PurestepError, RoleError, with_prefix
 from purestep.optim import Transform, current_lr
 from purestep.step._batch import Batch, prepare_batch
 from purestep.step._bound import is_bound, reduce_bound_metrics
+from purestep.step._counters import add_skip_counters, all_finite, next_step, set_skip, skip_update
 from purestep.step._donation import check_live, fresh_top, is_donated, mark_donated
 from purestep.step._grad import GradFn
 from purestep.step._validate import check_state, diagnose, remember
@@ -187,13 +188,6 @@ def _apply(
     return out
 
 
-def _next_step(state: TensorDictBase, out: TensorDictBase, donate: bool) -> None:
-    if donate:
-        out.get(STEP).add_(1)
-    else:
-        out.set(STEP, state.get(STEP) + 1)
-
-
 @attrs.frozen
 class TrainStep:
     """The step built by :func:`train_step` (see there). Immutable; call it."""
@@ -264,7 +258,7 @@ class TrainStep:
             else {}
         )
         if self.skip_nonfinite:
-            finite = _all_finite(metrics, norms)
+            finite = all_finite(metrics, norms)
             if not bool(finite):
                 return self._skipped(entry, state, metrics, step)
         try:
@@ -282,7 +276,7 @@ class TrainStep:
                 mark_donated(state, what)
         if new_buffers is not None:
             out.set(BUFFERS, new_buffers)
-        _next_step(state, out, self.donate)
+        next_step(state, out, self.donate)
         if self.skip_nonfinite:
             set_skip(out, state, consecutive=0, total_inc=0, donate=self.donate)
             metrics.set("skipped", torch.zeros((), dtype=torch.bool))
@@ -311,23 +305,6 @@ class TrainStep:
                 mark_donated(state, what)
         remember(out[0], self.optimizers)
         return out
-
-
-def _check_skip(skip: object) -> None:
-    if not isinstance(skip, TensorDictBase):
-        raise StateError(
-            f"skip_nonfinite: state['skip'] is a {type(skip).__name__}; it keeps a "
-            "tree {'total', 'consecutive'} there (drop it and call step.prepare to rebuild)",
-            path=(SKIP,),
-        )
-    for key in (SKIP_TOTAL, SKIP_CONSECUTIVE):
-        t = skip.get(key) if key in skip.keys() else None
-        if not (isinstance(t, torch.Tensor) and t.dtype == torch.int64 and t.numel() == 1):
-            raise StateError(
-                f"skip_nonfinite: state['skip', {key!r}] must be an int64 0-dim tensor (a count of "
-                "skipped steps); drop state['skip'] and call step.prepare to rebuild it",
-                path=(SKIP, key),
-            )
 
 
 def _takes(fn: Any, name: str) -> bool:
@@ -423,91 +400,6 @@ def _with_written_params(
         )
     out.set(PARAMS, params)
     return out
-
-
-def _all_finite(metrics: TensorDictBase, norms: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    checks = [torch.isfinite(n).all() for n in norms.values()]
-    for path, leaf in zip(tree.paths(metrics), tree.leaves(metrics), strict=True):
-        if path[-1] == "loss" and leaf.is_floating_point():
-            checks.append(
-                torch.isfinite(leaf).all().to(checks[0].device if checks else leaf.device)
-            )
-    if not checks:
-        return torch.ones((), dtype=torch.bool)
-    return torch.stack([c.cpu() for c in checks]).all()
-
-
-def skip_update(
-    state: TensorDictBase,
-    metrics: TensorDict,
-    *,
-    donate: bool,
-    max_consecutive: int | None,
-) -> tuple[TensorDict, TensorDict]:
-    """The result of a step whose update is discarded: only ``step`` and the skip counters move.
-
-    The shared ending of every ``skip_nonfinite`` path (a train step's, a wrapper's, a
-    compiled step's): counts the skip, raises :class:`NonFiniteError` past
-    ``max_consecutive`` consecutive skips, and sets the ``skipped`` metric.
-
-    Example:
-        >>> import torch
-        >>> from tensordict import TensorDict
-        >>> s = add_skip_counters(TensorDict({"step": torch.tensor(4)}, []))
-        >>> out, m = skip_update(s, TensorDict({}, []), donate=False, max_consecutive=None)
-        >>> int(out["step"]), int(out["skip", "total"]), bool(m["skipped"])
-        (5, 1, True)
-    """
-    consecutive = int(state.get((SKIP, SKIP_CONSECUTIVE))) + 1
-    if max_consecutive is not None and consecutive > max_consecutive:
-        raise NonFiniteError(
-            f"{consecutive} consecutive steps with a non-finite loss or gradient "
-            f"(max_consecutive={max_consecutive}), last at step {int(state.get(STEP))}"
-        )
-    out = cast(TensorDict, state) if donate else state.copy()
-    _next_step(state, out, donate)
-    set_skip(out, state, consecutive=consecutive, total_inc=1, donate=donate)
-    metrics.set("skipped", torch.ones((), dtype=torch.bool))
-    return out, metrics
-
-
-def add_skip_counters(state: TensorDictBase) -> TensorDict:
-    """``state`` with ``state["skip", "total" | "consecutive"]`` (int64 zeros) where missing.
-
-    Example:
-        >>> from tensordict import TensorDict
-        >>> sorted(add_skip_counters(TensorDict({}, []))["skip"].keys())
-        ['consecutive', 'total']
-    """
-    if SKIP in state.keys():
-        _check_skip(state.get(SKIP))
-        return cast(TensorDict, state)
-    out = state.copy()
-    zero = torch.zeros((), dtype=torch.int64)
-    out.set(SKIP, TensorDict({SKIP_TOTAL: zero, SKIP_CONSECUTIVE: zero.clone()}, []))
-    return out
-
-
-def set_skip(
-    out: TensorDictBase, state: TensorDictBase, *, consecutive: int, total_inc: int, donate: bool
-) -> None:
-    """Write the skip counters of ``out`` from ``state``'s (in place when ``donate``).
-
-    Example:
-        >>> import torch
-        >>> from tensordict import TensorDict
-        >>> s = add_skip_counters(TensorDict({}, []))
-        >>> set_skip(s, s, consecutive=0, total_inc=0, donate=True)
-        >>> int(s["skip", "consecutive"])
-        0
-    """
-    total = state.get((SKIP, SKIP_TOTAL))
-    if donate:
-        out.get((SKIP, SKIP_CONSECUTIVE)).fill_(consecutive)
-        total.add_(total_inc)
-    else:
-        out.set((SKIP, SKIP_CONSECUTIVE), torch.tensor(consecutive, dtype=torch.int64))
-        out.set((SKIP, SKIP_TOTAL), total + total_inc)
 
 
 def train_step(

@@ -21,8 +21,9 @@ from purestep import _compat, tree
 from purestep._keys import BUFFERS, EMA, EMA_BUFFERS, PARAMS, STEP
 from purestep.errors import StateError
 from purestep.step._batch import Batch
+from purestep.step._counters import add_skip_counters, set_skip, skip_update
 from purestep.step._donation import check_live, mark_donated
-from purestep.step._train import Step, TrainStep, add_skip_counters, set_skip, skip_update
+from purestep.step._train import Step, TrainStep
 from purestep.step._validate import check_pair, remember_pair
 
 __all__ = ["EMAStep", "SkipNonFinite", "skip_nonfinite", "with_ema"]
