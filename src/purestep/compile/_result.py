@@ -16,12 +16,12 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from purestep import tree
-from purestep._keys import BUFFERS, EMA, EMA_BUFFERS, OPT_STATE, PARAMS, STEP
+from purestep._keys import BUFFERS, EMA, EMA_BUFFERS, OPT_STATE, PARAMS
 from purestep.compile._core import OutSpec
 from purestep.compile._kernels import HostScalars
 from purestep.compile._plan import Layout, Parts
 from purestep.optim import current_lr
-from purestep.step import set_skip, skip_update
+from purestep.step import next_step, set_skip, skip_update
 
 __all__ = ["Results", "finish", "skipped", "write_params"]
 
@@ -73,13 +73,6 @@ def _same(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _next_step(out: TensorDictBase, state: TensorDictBase, donate: bool) -> None:
-    if donate:
-        out.get(STEP).add_(1)
-    else:
-        out.set(STEP, state.get(STEP) + 1)
-
-
 def finish(
     parts: Parts,
     state: TensorDictBase,
@@ -113,7 +106,7 @@ def finish(
                 out.set((group, r), tree.rebuild(state.get((group, r)), res.take((group, r))))
     if BUFFERS in state.keys():  # as eager: the forward's working copy is the new buffers
         out.set(BUFFERS, tree.plain_td(dict(buffers)))
-    _next_step(out, state, donate)
+    next_step(state, out, donate)
     if train.skip_nonfinite:
         set_skip(out, state, consecutive=0, total_inc=0, donate=donate)
         metrics.set("skipped", torch.zeros((), dtype=torch.bool))
