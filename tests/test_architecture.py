@@ -104,3 +104,109 @@ def test_the_layers_contract_is_kept() -> None:
         timeout=300,
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+
+
+# -- the state's well-known keys have one home: purestep._keys ---------------------------------
+
+# Literals equal to a state key that do not mean the state's key: (module, literal) -> count.
+# Anything else that spells a state key in src/ must use the constant (purestep._keys, public
+# as purestep.state.PARAMS etc.).
+_NOT_STATE_KEYS: dict[tuple[str, str], int] = {
+    ("purestep/__init__.py", "rng"): 1,  # the module purestep.rng in __all__
+    ("purestep/_layout.py", "params"): 1,  # a Layout attribute (__slots__)
+    ("purestep/_layout.py", "buffers"): 1,  # a Layout attribute (__slots__)
+    ("purestep/state.py", "buffers"): 1,  # the ParamSource method getattr(source, "buffers")
+    ("purestep/state.py", "params"): 1,  # the argument's name in init_state's error message
+    ("purestep/tree.py", "params"): 1,  # assert_same_structure(like="params"): a message word
+    ("purestep/step/_accumulate.py", "buffers"): 1,  # grad_fn's buffers= keyword
+    ("purestep/step/_train.py", "buffers"): 3,  # grad_fn's buffers= keyword
+    ("purestep/compile/_core.py", "buffers"): 3,  # grad_fn's buffers= keyword; EMA layer attribute
+    ("purestep/compile/_plan.py", "buffers"): 1,  # the EMA layer's attribute
+    ("purestep/compile/_core.py", "skip"): 1,  # an EMA mode (skip / copy / avg)
+    ("purestep/compile/_step.py", "skip"): 1,  # an EMA mode (skip / copy / avg)
+    ("purestep/step/_validate.py", "extra"): 2,  # a problem kind (missing / extra leaves)
+    ("purestep/checkpoint/__main__.py", "step"): 1,  # the verify summary's field
+    ("purestep/distributed/_ckpt_paths.py", "step"): 1,  # metadata.json's field
+    ("purestep/distributed/_ckpt_write.py", "step"): 1,  # metadata.json's field
+    ("purestep/distributed/checkpoint.py", "step"): 2,  # metadata.json's / the summary's field
+    ("purestep/loop/_checkpointing.py", "step"): 1,  # metadata.json's field
+    ("purestep/loop/_sinks.py", "step"): 9,  # the metrics record's step column
+    ("purestep/plot.py", "step"): 3,  # the metrics record's step column, the axis label
+}
+
+
+def _state_key_literals(path: Path, keys: set[str]) -> list[tuple[int, str]]:
+    """``(line, literal)`` for every string constant in ``path`` equal to one of ``keys``,
+    docstrings excepted (their examples show users the literals)."""
+    module = ast.parse(path.read_text(), str(path))
+    docstrings = set()
+    for node in ast.walk(module):
+        if isinstance(node, ast.Module | ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            first = node.body[0] if node.body else None
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                docstrings.add(id(first.value))
+    return sorted(
+        (node.lineno, node.value)
+        for node in ast.walk(module)
+        if isinstance(node, ast.Constant)
+        and isinstance(node.value, str)
+        and node.value in keys
+        and id(node) not in docstrings
+    )
+
+
+def test_state_keys_are_named_by_their_constants() -> None:
+    """No module of ``src/`` spells a state key (``"params"``, ``"step"``, ...) as a string
+    literal: they use ``purestep._keys``' constants, so a key has one home. The few literals
+    that only look like one (a metrics column, a keyword argument, a metadata field) are
+    listed, with their count, in ``_NOT_STATE_KEYS``."""
+    from purestep import _keys
+
+    keys = set(_keys.STATE_KEYS)
+    seen: dict[tuple[str, str], list[int]] = {}
+    for path in sorted(SRC.rglob("*.py")):
+        rel = path.relative_to(SRC).as_posix()
+        if rel == "purestep/_keys.py":
+            continue
+        for line, lit in _state_key_literals(path, keys):
+            seen.setdefault((rel, lit), []).append(line)
+    bad = [
+        f"{rel}:{','.join(map(str, lines))} spells {lit!r} ({len(lines)} times, "
+        f"{_NOT_STATE_KEYS.get((rel, lit), 0)} allowed)"
+        for (rel, lit), lines in sorted(seen.items())
+        if len(lines) > _NOT_STATE_KEYS.get((rel, lit), 0)
+    ]
+    assert not bad, (
+        "state keys written as literals: use the constants of purestep._keys (or, for a "
+        "literal that is not the state's key, add it to _NOT_STATE_KEYS with the reason):\n"
+        + "\n".join(bad)
+    )
+    stale = sorted(k for k, n in _NOT_STATE_KEYS.items() if len(seen.get(k, [])) < n)
+    assert not stale, f"_NOT_STATE_KEYS allows more than the source has (lower it): {stale}"
+
+
+def test_the_state_key_scan_finds_a_planted_literal(tmp_path: Path) -> None:
+    """The scan is not vacuous: it reports ``state.get("params")`` and ``("ema", role)`` but not
+    a docstring that shows ``state["params"]``."""
+    f = tmp_path / "m.py"
+    f.write_text(
+        'def f(state, role):\n    """state["params"] in a docstring."""\n'
+        '    return state.get("params"), ("ema", role), "step" + "s"\n'
+    )
+    assert _state_key_literals(f, {"params", "ema", "step"}) == [
+        (3, "ema"),
+        (3, "params"),
+        (3, "step"),
+    ]
+
+
+def test_every_state_key_is_documented() -> None:
+    """Each constant of ``purestep._keys`` names a key the state layout in
+    docs/ARCHITECTURE.md shows, and ``purestep.state`` exports it."""
+    from purestep import _keys, state
+
+    doc = (SRC.parent / "docs" / "ARCHITECTURE.md").read_text()
+    layout = doc[doc.index("## The state") : doc.index("## Layers")]
+    assert [k for k in _keys.STATE_KEYS if f'"{k}"' not in layout] == []
+    for name in _keys.__all__:
+        assert getattr(state, name) == getattr(_keys, name) and name in state.__all__

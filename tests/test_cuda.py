@@ -558,7 +558,7 @@ def _method_losses() -> dict[str, tuple[Callable[..., Any], TensorDict, TensorDi
         "finetune": (finetune.loss_fn(student, ft_cfg), TensorDict({"student": p}, []), batch),
         "dmd2": (dmd2.loss_fn(student, teacher, critic, d_cfg), dmd2_params, batch),
         "nft": (
-            nft.nft_loss_fn(student, None, p, nft.NFTConfig(cond_keys=("label",))),
+            nft.loss_fn(student, None, p, nft.NFTConfig(cond_keys=("label",))),
             TensorDict({"student": p, "old": p.clone()}, []),
             n_batch,
         ),

@@ -611,6 +611,43 @@ def test_a_batch_missing_a_key_names_it_before_anything_is_saved(tmp_path: Path)
     assert ckpt.checkpoints(tmp_path) == []
 
 
+def test_a_missing_nested_batch_key_is_named_with_its_path() -> None:
+    """batch["cond", "label"] on a batch whose "cond" has only "text": the error names the
+    whole path the step asked for, also inside accumulate's microbatches (splits that carry
+    the "index" the step adds)."""
+
+    def loss_fn(p: Any, b: Any, key: torch.Tensor) -> Any:
+        return (p["m", "w"] * b["cond", "label"]).sum(), {}
+
+    opt = {"m": ps.optim.sgd(0.1)}
+    state = ps.init_state({"m": TensorDict({"w": torch.ones(2)}, [])}, opt, seed=0)
+    data = [{"x": torch.ones(4, 2), "cond": {"text": torch.ones(4, 2)}}]
+    for grad_fn in (ps.value_and_grad(loss_fn), ps.accumulate(ps.value_and_grad(loss_fn), 2)):
+        with pytest.raises(loop.BatchKeyError, match=r"no key \('cond', 'label'\)"):
+            _run(ps.train_step(grad_fn, opt), state, data, num_steps=1)
+
+
+def test_the_missing_batch_key_does_not_depend_on_tensordicts_message() -> None:
+    """The key is read from the failed lookup itself (the traceback), not parsed from the
+    KeyError's text: a reworded message still names it, and a KeyError that merely reads like
+    tensordict's but comes from another TensorDict (the state) or a dict is no batch key."""
+    from purestep.loop._run import _missing_batch_key
+
+    batch = TensorDict({"x": torch.ones(2)}, [2])
+    with pytest.raises(KeyError) as on_batch:
+        batch["y"]
+    on_batch.value.args = ("reworded by a future tensordict",)
+    assert _missing_batch_key(on_batch.value, batch) == "y"
+    state = TensorDict({"step": torch.tensor(0)}, [])
+    with pytest.raises(KeyError) as on_state:
+        state["y"]
+    assert _missing_batch_key(on_state.value, batch) is None
+    with pytest.raises(KeyError) as on_dict:
+        {}["y"]
+    on_dict.value.args = ("key \"y\" not found in TensorDict with keys ['x']",)
+    assert _missing_batch_key(on_dict.value, batch) is None
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [

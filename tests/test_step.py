@@ -14,7 +14,7 @@ from tensordict import TensorDict, TensorDictBase
 from torch import nn
 
 import purestep as ps
-from purestep import optim, rng, testing, tree
+from purestep import _norms, optim, rng, testing, tree
 
 FAST = settings(max_examples=15, deadline=None)
 
@@ -527,7 +527,7 @@ def test_clipping_reuses_the_grad_norm_metric_norm_and_results_are_unchanged(
         return step, ps.init_state({"student": net}, opt, seed=4)
 
     calls = []
-    inner = tree._global_norm
+    inner = _norms._global_norm
 
     def counting(tensors: Any) -> torch.Tensor:
         calls.append(len(tensors))
@@ -535,7 +535,7 @@ def test_clipping_reuses_the_grad_norm_metric_norm_and_results_are_unchanged(
 
     step, state = make()
     with monkeypatch.context() as mp:
-        mp.setattr(tree, "_global_norm", counting)
+        mp.setattr(_norms, "_global_norm", counting)
         for i in range(3):
             state, metrics = step(state, _batch(i, 8))
     assert calls == [len(tree.leaves(state["params", "student"]))] * 3

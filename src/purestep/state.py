@@ -11,6 +11,17 @@ Layout (see ``docs/ARCHITECTURE.md``)::
     }, batch_size=[])
 
 Wrappers add their own keys (``"ema"``, ``"skip"``), methods their ``"extra"``.
+
+Each well-known key has a constant here (from ``purestep._keys``, their one home):
+:data:`PARAMS`, :data:`OPT_STATE`, :data:`RNG`, :data:`STEP`, :data:`BUFFERS`,
+:data:`EMA`, :data:`EMA_BUFFERS`, :data:`SKIP` (with :data:`SKIP_TOTAL` and
+:data:`SKIP_CONSECUTIVE`), :data:`EXTRA`, and :data:`STATE_KEYS` (all of them).
+The library names keys only through them; user code may use either.
+
+Example:
+    >>> from purestep import state
+    >>> state.PARAMS, state.STEP
+    ('params', 'step')
 """
 
 from __future__ import annotations
@@ -23,11 +34,44 @@ from tensordict import TensorDict, TensorDictBase
 from torch import nn
 
 from purestep import rng, tree
+from purestep._keys import (
+    BUFFERS,
+    EMA,
+    EMA_BUFFERS,
+    EXTRA,
+    OPT_STATE,
+    PARAMS,
+    RNG,
+    SKIP,
+    SKIP_CONSECUTIVE,
+    SKIP_TOTAL,
+    STATE_KEYS,
+    STEP,
+)
 from purestep._layout import layout_of
 from purestep._sharing import shared_memory, sharing_message
 from purestep.errors import StateError
 
-__all__ = ["ParamSource", "buffers_of", "init_state", "params_of", "roles", "variables"]
+__all__ = [
+    "BUFFERS",
+    "EMA",
+    "EMA_BUFFERS",
+    "EXTRA",
+    "OPT_STATE",
+    "PARAMS",
+    "RNG",
+    "SKIP",
+    "SKIP_CONSECUTIVE",
+    "SKIP_TOTAL",
+    "STATE_KEYS",
+    "STEP",
+    "ParamSource",
+    "buffers_of",
+    "init_state",
+    "params_of",
+    "roles",
+    "variables",
+]
 
 
 @runtime_checkable
@@ -229,16 +273,16 @@ def init_state(
     _check_no_sharing(role_params, role_buffers)
     opt_state = {role: opt.init(role_params[role]) for role, opt in optimizers.items()}
     content: dict[str, Any] = {
-        "params": TensorDict(role_params, batch_size=[]),
-        "opt_state": TensorDict(opt_state, batch_size=[]),
-        "rng": rng.key(seed),
-        "step": torch.zeros((), dtype=torch.int64),
+        PARAMS: TensorDict(role_params, batch_size=[]),
+        OPT_STATE: TensorDict(opt_state, batch_size=[]),
+        RNG: rng.key(seed),
+        STEP: torch.zeros((), dtype=torch.int64),
     }
     if role_buffers:
-        content["buffers"] = TensorDict(role_buffers, batch_size=[])
+        content[BUFFERS] = TensorDict(role_buffers, batch_size=[])
     state = TensorDict(content, batch_size=[])
     if extra is not None:
-        state["extra"] = extra if isinstance(extra, TensorDictBase) else TensorDict(extra, [])
+        state[EXTRA] = extra if isinstance(extra, TensorDictBase) else TensorDict(extra, [])
     return state
 
 
@@ -246,7 +290,7 @@ def _check_no_sharing(
     role_params: Mapping[str, TensorDictBase], role_buffers: Mapping[str, TensorDictBase]
 ) -> None:
     items: list[tuple[tree.KeyPath, torch.Tensor]] = []
-    for kind, trees in (("params", role_params), ("buffers", role_buffers)):
+    for kind, trees in ((PARAMS, role_params), (BUFFERS, role_buffers)):
         for role, td in trees.items():
             items.extend(
                 ((kind, role, *p), t) for p, t in zip(tree.paths(td), tree.leaves(td), strict=True)
@@ -266,7 +310,7 @@ def roles(state: TensorDictBase) -> list[str]:
         >>> roles(s)
         ['student']
     """
-    return list(state["params"].keys())
+    return list(state[PARAMS].keys())
 
 
 def variables(state: TensorDictBase, role: str, *, ema: bool = False) -> TensorDict:
@@ -288,17 +332,17 @@ def variables(state: TensorDictBase, role: str, *, ema: bool = False) -> TensorD
     """
     keys = state.keys()
     if ema:
-        if ("ema", role) not in state.keys(include_nested=True):
+        if (EMA, role) not in state.keys(include_nested=True):
             raise KeyError(f"variables: state has no EMA for role {role!r} (see with_ema)")
-        params = state.get(("ema", role))
-        if "ema_buffers" in keys and role in state.get("ema_buffers").keys():
-            return tree.merge(params, state.get(("ema_buffers", role)), what=f"role {role!r}")
+        params = state.get((EMA, role))
+        if EMA_BUFFERS in keys and role in state.get(EMA_BUFFERS).keys():
+            return tree.merge(params, state.get((EMA_BUFFERS, role)), what=f"role {role!r}")
     else:
-        if role not in state.get("params").keys():
+        if role not in state.get(PARAMS).keys():
             raise KeyError(
-                f"variables: no params for role {role!r} (roles: {list(state.get('params').keys())})"
+                f"variables: no params for role {role!r} (roles: {list(state.get(PARAMS).keys())})"
             )
-        params = state.get(("params", role))
-    if "buffers" in keys and role in state.get("buffers").keys():
-        return tree.merge(params, state.get(("buffers", role)), what=f"role {role!r}")
+        params = state.get((PARAMS, role))
+    if BUFFERS in keys and role in state.get(BUFFERS).keys():
+        return tree.merge(params, state.get((BUFFERS, role)), what=f"role {role!r}")
     return tree.plain_td(dict(params.items())) if type(params) is TensorDict else params.copy()

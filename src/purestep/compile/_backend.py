@@ -1,9 +1,9 @@
 """Compiling a traced core: inductor without dynamo, or any ``torch.compile`` backend.
 
 The traced graph is already one flat aten graph with fixed input order, so
-dynamo has nothing left to do but guard every input on every call (measured:
-~3 ms per call for the 450 inputs of a 150-tensor AdamW step on this machine,
-a fifth of the step). ``torch._inductor.standalone_compile`` compiles the
+dynamo has nothing left to do but guard every input on every call (a large
+share of a small step's time for the hundreds of inputs of a state; figures in
+docs/ARCHITECTURE.md, "compile"). ``torch._inductor.standalone_compile`` compiles the
 graph with AOTAutograd and inductor directly and returns a plain callable;
 the compiled step checks its inputs itself (``_plan.signature``) and keeps
 one callable per variant. Inductor's on-disk caches (FX graph and AOTAutograd

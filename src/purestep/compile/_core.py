@@ -28,6 +28,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from purestep import tree
+from purestep._keys import BUFFERS, EMA, EMA_BUFFERS, PARAMS
 from purestep.compile._kernels import Plan
 from purestep.compile._plan import Layout, Parts
 from purestep.step import recording_modules
@@ -186,13 +187,13 @@ def _split_written(
     out: dict[str, tuple[TensorDictBase | None, dict[int, torch.Tensor]]] = {}
     for role in work.keys():
         role_work = work.get(role)
-        old = groups.get(("buffers", role))
+        old = groups.get((BUFFERS, role))
         n_buf = old.count if old is not None else 0
         if len(tree.leaves(role_work)) == n_buf:
             out[role] = (role_work, {})
             continue
         buf_paths = set(tree.paths(old.tree)) if old is not None and n_buf else set()
-        param_index = {p: i for i, p in enumerate(tree.paths(groups["params", role].tree))}
+        param_index = {p: i for i, p in enumerate(tree.paths(groups[PARAMS, role].tree))}
         bufs: list[tuple[tree.KeyPath, torch.Tensor]] = []
         written: dict[int, torch.Tensor] = {}
         for path, leaf in zip(tree.paths(role_work), tree.leaves(role_work), strict=True):
@@ -263,8 +264,8 @@ def core_fn(
     donate = train.donate
     groups = lay.groups
     batch_skel = Skeleton.of(groups["batch"].tree)  # type: ignore[arg-type]
-    param_roles = [name[1] for name in groups if isinstance(name, tuple) and name[0] == "params"]
-    buffer_roles = [name[1] for name in groups if isinstance(name, tuple) and name[0] == "buffers"]
+    param_roles = [name[1] for name in groups if isinstance(name, tuple) and name[0] == PARAMS]
+    buffer_roles = [name[1] for name in groups if isinstance(name, tuple) and name[0] == BUFFERS]
 
     def core(*flat: torch.Tensor) -> list[torch.Tensor]:
         # as the eager step, clipping reuses the metric's norm; a module recorder of the
@@ -287,10 +288,10 @@ def core_fn(
                     outs.append(t)
             spec.sources[name] = src
 
-        p_lists = {r: groups["params", r].slice(flat) for r in param_roles}
+        p_lists = {r: groups[PARAMS, r].slice(flat) for r in param_roles}
         grad_trees: dict[str, Any] = {}
         new_bufs: dict[str, list[torch.Tensor]] = {
-            r: groups["buffers", r].slice(flat) for r in buffer_roles
+            r: groups[BUFFERS, r].slice(flat) for r in buffer_roles
         }
         if phase == "apply":
             grads = {r: groups["grads", r].slice(flat) for r in roles if ("grads", r) in groups}
@@ -302,7 +303,7 @@ def core_fn(
                     new_bufs[name[1]] = g.slice(flat)
         else:
             params = tree.plain_td(
-                {r: tree.rebuild(groups["params", r].tree, p_lists[r]) for r in param_roles}  # type: ignore[arg-type]
+                {r: tree.rebuild(groups[PARAMS, r].tree, p_lists[r]) for r in param_roles}  # type: ignore[arg-type]
             )
             b_leaves = groups["batch"].slice(flat)
             lead = [b_leaves[0].shape[0]] if b_leaves else []
@@ -313,7 +314,7 @@ def core_fn(
             if takes(train.grad_fn, "buffers"):
                 work = tree.plain_td(  # the forward's working copy of the buffers
                     {
-                        r: tree.rebuild(groups["buffers", r].tree, [t.clone() for t in new_bufs[r]])  # type: ignore[arg-type]
+                        r: tree.rebuild(groups[BUFFERS, r].tree, [t.clone() for t in new_bufs[r]])  # type: ignore[arg-type]
                         for r in buffer_roles
                     }
                 )
@@ -332,7 +333,7 @@ def core_fn(
                     if bufs is not None:
                         spec.buffers[r] = Skeleton.of(bufs)
                         new_bufs[r] = tree.leaves(bufs)
-                        emit(("buffers", r), new_bufs[r])
+                        emit((BUFFERS, r), new_bufs[r])
                     if written:
                         spec.written[r] = sorted(written)
                         emit(("written", r), [written[i] for i in spec.written[r]])
@@ -361,7 +362,7 @@ def core_fn(
             scalars = groups["scalars", r].slice(flat)
             plan = plans[r]
             like = grad_trees.get(r)
-            if like is not None and not _same_paths(like, groups["params", r].tree):
+            if like is not None and not _same_paths(like, groups[PARAMS, r].tree):
                 # grads for a subset of the params (some got none): the transform's own
                 # step projects its state onto them, as in eager
                 plan = subset(r, like)
@@ -369,18 +370,18 @@ def core_fn(
                 p_lists[r], grads[r], groups["opt", r].slice(flat), scalars, flags[r], donate
             )
             new_params[r] = p
-            emit(("params", r), p)
+            emit((PARAMS, r), p)
             emit(("opt", r), o)
         for r in spec.written:
             if r not in updated:  # written by the forward but not updated: still new values
-                emit(("params", r), new_params[r])
-        emas = {r: groups["ema", r].slice(flat) for r in parts.ema_roles}
-        ema_bufs = {r: groups["ema_buffers", r].slice(flat) for r in parts.ema_buffer_roles}
+                emit((PARAMS, r), new_params[r])
+        emas = {r: groups[EMA, r].slice(flat) for r in parts.ema_roles}
+        ema_bufs = {r: groups[EMA_BUFFERS, r].slice(flat) for r in parts.ema_buffer_roles}
         _ema(parts, ema_copy, new_params, emas, new_bufs, ema_bufs, donate)
         for r, e in emas.items():
-            emit(("ema", r), e)
+            emit((EMA, r), e)
         for r, e in ema_bufs.items():
-            emit(("ema_buffers", r), e)
+            emit((EMA_BUFFERS, r), e)
         return outs
 
     return core

@@ -15,7 +15,7 @@ Two kinds of *plan*:
   device scalars the kernels can be captured in a CUDA graph.
 * :class:`OpaquePlan` for every other transform (``lion``,
   ``scale_by_schedule``, user transforms): the transform's own donated
-  ``step`` inside the opaque op of ``_ops`` (~1 µs of Python per leaf; not
+  ``step`` inside the opaque op of ``_ops`` (Python work per leaf; not
   capturable in a CUDA graph).
 
 A plan's ``host`` gives the per-call scalar inputs and the state leaves the

@@ -27,6 +27,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from purestep import tree
+from purestep._keys import BUFFERS, EMA, EMA_BUFFERS, OPT_STATE, PARAMS
 from purestep.step import EMAStep, TrainStep
 
 __all__ = ["Group", "Guard", "Layout", "Parts", "decompose", "flatten", "layout_of"]
@@ -219,19 +220,19 @@ def layout_of(
         ([('params', 'm'), ('opt', 'm'), 'key', 'batch'], 3)
     """
     lay = Layout()
-    params = state.get("params")
+    params = state.get(PARAMS)
     for role in params.keys():
-        lay.add(("params", role), params.get(role))
-    if "buffers" in state.keys():
-        buffers = state.get("buffers")
+        lay.add((PARAMS, role), params.get(role))
+    if BUFFERS in state.keys():
+        buffers = state.get(BUFFERS)
         for role in buffers.keys():
-            lay.add(("buffers", role), buffers.get(role))
+            lay.add((BUFFERS, role), buffers.get(role))
     for role in roles:
-        lay.add(("opt", role), state.get(("opt_state", role)))
+        lay.add(("opt", role), state.get((OPT_STATE, role)))
     for role in ema_roles:
-        lay.add(("ema", role), state.get(("ema", role)))
+        lay.add((EMA, role), state.get((EMA, role)))
     for role in ema_buffer_roles:
-        lay.add(("ema_buffers", role), state.get(("ema_buffers", role)))
+        lay.add((EMA_BUFFERS, role), state.get((EMA_BUFFERS, role)))
     lay.add("key", key)
     lay.add("batch", batch)
     if grads is not None:

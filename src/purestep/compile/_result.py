@@ -16,11 +16,12 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from purestep import tree
+from purestep._keys import BUFFERS, EMA, EMA_BUFFERS, OPT_STATE, PARAMS
 from purestep.compile._core import OutSpec
 from purestep.compile._kernels import HostScalars
 from purestep.compile._plan import Layout, Parts
 from purestep.optim import current_lr
-from purestep.step import set_skip, skip_update
+from purestep.step import next_step, set_skip, skip_update
 
 __all__ = ["Results", "finish", "skipped", "write_params"]
 
@@ -65,18 +66,11 @@ class Results:
 
     def buffers(self) -> dict[str, TensorDict]:
         """``{role: buffers after the forward}``."""
-        return {r: sk.build(self.take(("buffers", r))) for r, sk in self.spec.buffers.items()}
+        return {r: sk.build(self.take((BUFFERS, r))) for r, sk in self.spec.buffers.items()}
 
 
 def _same(t: torch.Tensor) -> torch.Tensor:
     return t
-
-
-def _next_step(out: TensorDictBase, state: TensorDictBase, donate: bool) -> None:
-    if donate:
-        out.get("step").add_(1)
-    else:
-        out.set("step", state.get("step") + 1)
 
 
 def finish(
@@ -97,27 +91,27 @@ def finish(
         out = state
         for r in spec.updated:
             for i, path in spec.replaced[r]:
-                out.set(("opt_state", r, *path), res.leaf(("opt", r), i, host[r]))
+                out.set((OPT_STATE, r, *path), res.leaf(("opt", r), i, host[r]))
     else:
         out = tree.map_with_leaves(state, _same)[0]  # new nodes, as state.copy()
         for r in dict.fromkeys([*spec.updated, *spec.written]):
-            out.set(("params", r), tree.rebuild(state.get(("params", r)), res.take(("params", r))))
+            out.set((PARAMS, r), tree.rebuild(state.get((PARAMS, r)), res.take((PARAMS, r))))
         for r in spec.updated:
             new_o = res.take(("opt", r))
             for i, t in host[r].replace:
                 new_o[i] = t
-            out.set(("opt_state", r), tree.rebuild(state.get(("opt_state", r)), new_o))
-        for group, roles in (("ema", parts.ema_roles), ("ema_buffers", parts.ema_buffer_roles)):
+            out.set((OPT_STATE, r), tree.rebuild(state.get((OPT_STATE, r)), new_o))
+        for group, roles in ((EMA, parts.ema_roles), (EMA_BUFFERS, parts.ema_buffer_roles)):
             for r in roles:
                 out.set((group, r), tree.rebuild(state.get((group, r)), res.take((group, r))))
-    if "buffers" in state.keys():  # as eager: the forward's working copy is the new buffers
-        out.set("buffers", tree.plain_td(dict(buffers)))
-    _next_step(out, state, donate)
+    if BUFFERS in state.keys():  # as eager: the forward's working copy is the new buffers
+        out.set(BUFFERS, tree.plain_td(dict(buffers)))
+    next_step(state, out, donate)
     if train.skip_nonfinite:
         set_skip(out, state, consecutive=0, total_inc=0, donate=donate)
         metrics.set("skipped", torch.zeros((), dtype=torch.bool))
     for r in spec.updated:
-        lr = current_lr(out.get(("opt_state", r)))
+        lr = current_lr(out.get((OPT_STATE, r)))
         if lr is not None:
             metrics.set((r, "lr"), lr)
         if r in norms:  # as eager: also without grad_norm when skipping (the norm was taken)
@@ -139,7 +133,7 @@ def write_params(state: TensorDictBase, res: Results, donate: bool) -> TensorDic
         state = tree.map_with_leaves(state, _same)[0]
     for r, idx in res.spec.written.items():
         values = res.take(("written", r))
-        params = state.get(("params", r))
+        params = state.get((PARAMS, r))
         leaves = tree.leaves(params)
         if donate:
             for i, v in zip(idx, values, strict=True):
@@ -147,5 +141,5 @@ def write_params(state: TensorDictBase, res: Results, donate: bool) -> TensorDic
         else:
             for i, v in zip(idx, values, strict=True):
                 leaves[i] = v
-            state.set(("params", r), tree.rebuild(params, leaves))
+            state.set((PARAMS, r), tree.rebuild(params, leaves))
     return state

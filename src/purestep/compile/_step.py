@@ -12,6 +12,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from purestep import rng, tree
+from purestep._keys import EMA, EMA_BUFFERS, OPT_STATE, PARAMS, RNG, SKIP, STEP
 from purestep.compile import _ops
 from purestep.compile._backend import Compiled, compile_graph, inductor_options
 from purestep.compile._core import OutSpec, Phase, core_fn
@@ -189,7 +190,7 @@ class CompiledStep:
         if not self._prepared(state):
             state = parts.outer.prepare(state)
         batch_td = with_index(as_batch(batch))
-        step = int(state.get("step"))
+        step = int(state.get(STEP))
         roles = train.due_roles(step)
         self._check_functional(state)
         ema_copy = tuple(
@@ -199,7 +200,7 @@ class CompiledStep:
             )
             for layer in parts.emas
         )
-        key = rng.fold_in(state.get("rng"), state.get("step"))
+        key = rng.fold_in(state.get(RNG), state.get(STEP))
         if self._cudagraphs and self.donate:
             first = tree.first_leaf(batch_td)
             if first is not None and first.device.type == "cuda":
@@ -239,17 +240,17 @@ class CompiledStep:
     def _prepared(self, state: TensorDictBase) -> bool:
         """Whether ``prepare`` would return ``state`` as it is (checked without walking the tree)."""
         keys = state.keys()
-        if "params" not in keys or "opt_state" not in keys:
+        if PARAMS not in keys or OPT_STATE not in keys:
             return False
-        params, opt = state.get("params").keys(), state.get("opt_state").keys()
+        params, opt = state.get(PARAMS).keys(), state.get(OPT_STATE).keys()
         train = self._parts.train
         if any(r not in params or r not in opt for r in train.optimizers):
             return False
-        if train.skip_nonfinite and "skip" not in keys:
+        if train.skip_nonfinite and SKIP not in keys:
             return False
         for group, roles in (
-            ("ema", self._parts.ema_roles),
-            ("ema_buffers", self._parts.ema_buffer_roles),
+            (EMA, self._parts.ema_roles),
+            (EMA_BUFFERS, self._parts.ema_buffer_roles),
         ):
             if roles and (
                 group not in keys or any(r not in state.get(group).keys() for r in roles)
@@ -258,7 +259,7 @@ class CompiledStep:
         return all(r in params for r in self._parts.ema_roles)
 
     def _check_functional(self, state: TensorDictBase) -> None:
-        params = state.get("params")
+        params = state.get(PARAMS)
         for role in params.keys():
             if is_bound(params.get(role)):
                 raise ValueError(
@@ -269,7 +270,7 @@ class CompiledStep:
     def _plans(self, lay: Layout, roles: Sequence[str]) -> dict[str, Plan]:
         plans: dict[str, Plan] = {}
         for r in roles:
-            opt, params = lay.groups["opt", r], lay.groups["params", r]
+            opt, params = lay.groups["opt", r], lay.groups[PARAMS, r]
             assert opt.tree is not None and params.tree is not None
             transform = self._parts.train.optimizers[r]
             handle = _ops.register(transform, params.tree, opt.tree, r)
@@ -325,7 +326,7 @@ class CompiledStep:
         spec = OutSpec()
 
         def subset(role: str, grads_like: TensorDictBase) -> Plan:
-            opt, params = lay.groups["opt", role], lay.groups["params", role]
+            opt, params = lay.groups["opt", role], lay.groups[PARAMS, role]
             assert opt.tree is not None and params.tree is not None
             transform = self._parts.train.optimizers[role]
             h = _ops.register(transform, params.tree, opt.tree, role, grads=grads_like)

@@ -8,8 +8,7 @@ first ``ContextVar.get`` (measured: torch 2.13, "Dynamo does not know how to
 trace method `get` of class `ContextVar`") and on ``autograd.grad`` unless a
 private flag is set. ``make_fx`` instead *runs* that Python once over fake
 tensors and records every aten op, autograd's backward included: the eager
-code is traced as is (0.5 s for a 2-layer MLP step, ~3 s for a 150-tensor
-one, measured on this machine).
+code is traced as is (trace times: docs/ARCHITECTURE.md, "compile").
 
 The price: Python control flow is evaluated once, so the graph is specialised
 on every Python value the step reads (the host decisions in ``_plan`` make

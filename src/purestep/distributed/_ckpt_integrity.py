@@ -1,25 +1,12 @@
 """Checksums of checkpoint records and files, and the checks made with them.
 
 Algorithm: xxHash's ``xxh3_64`` (the ``xxhash`` package), chosen by measurement
-(``python benchmarks/checksum.py --rounds 7``: one thread of this project's
-shared, heavily loaded 2-core CPU machine, 64 MiB buffer, medians and ranges of
-7 rounds; "hot" = 512 KiB pieces in cache, as the writer and reader hash them):
-
-==========================  ===================  =====================
-checksum                    cold GB/s            hot GB/s
-==========================  ===================  =====================
-``xxh3_64`` (xxhash)        3.41 (2.09-5.91)     10.07 (6.37-29.60)
-crc32c (crc32c package)     3.95 (2.85-5.99)     6.26 (4.21-22.87)
-``zlib.crc32``              1.12 (0.73-1.27)     1.14 (1.06-1.28)
-``zlib.adler32``            1.07 (0.96-1.21)     1.13 (1.01-1.17)
-torch odd-weighted sum      0.38 (0.27-0.41)     2.39 (1.38-3.27)
-==========================  ===================  =====================
-
-At ``zlib.crc32``'s speed hashing a 194 MB state adds about 0.17 s to a save
-that takes about 0.2 s on a quiet machine; ``xxh3_64`` on hot pieces adds about
-0.02 s, which is why it is a dependency. It is a 64-bit non-cryptographic hash:
-it detects accidental damage (bit flips, torn or stale writes, truncation, a
-file from another checkpoint), not deliberate tampering.
+(``python benchmarks/checksum.py``; the figures are in README.md, "Performance"):
+on the cache-hot pieces the writer and reader hash, it is several times faster
+than ``zlib.crc32``, ``zlib.adler32`` or crc32c, which would add about as much
+time as the save itself takes; that is why it is a dependency. It is a 64-bit
+non-cryptographic hash: it detects accidental damage (bit flips, torn or stale
+writes, truncation, a file from another checkpoint), not deliberate tampering.
 
 What is covered, so that no byte of a checkpoint can change unnoticed:
 

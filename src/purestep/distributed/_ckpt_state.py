@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from tensordict import TensorDictBase
 
+from purestep._keys import STEP
 from purestep.distributed._ckpt_errors import CheckpointMismatchError, CheckpointStateError
 from purestep.distributed._ckpt_paths import _RANK_PREFIX
 
@@ -163,7 +164,7 @@ def step_of(state: TensorDictBase) -> int | None:
         >>> step_of(TensorDict({"step": torch.tensor(4)}, []))
         4
     """
-    s = state.get("step", None)
+    s = state.get(STEP, None)
     if isinstance(s, torch.Tensor) and s.numel() == 1 and not s.dtype.is_floating_point:
         return int(s.item())
     return None

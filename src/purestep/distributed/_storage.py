@@ -2,9 +2,9 @@
 
 :class:`torch.distributed.checkpoint.FileSystemWriter` writes every tensor as
 its own ``torch.save`` *zip* record. For a training state of hundreds of small
-tensors that per-record cost dominates: on a 2-core CPU machine, a 194 MB
-GPT-like AdamW state of 442 tensors took 0.23 s through the stock writer
-against 0.15 s for one ``torch.save`` of the whole dict (``benchmarks/checkpoint.py``).
+tensors that per-record cost dominates: the stock writer is markedly slower
+than one ``torch.save`` of the whole dict (``benchmarks/checkpoint.py``; the
+figures are in README.md, "Performance").
 
 :class:`RecordWriter` writes the same DCP layout (one ``__<rank>_0.distcp``
 file per rank, a ``.metadata`` file, the same :class:`WriteResult` offsets),
@@ -31,8 +31,8 @@ written, row-major, and the file is fsynced before :meth:`write_data` returns.
 ``metadata.json`` (``integrity=``) it verifies ``.metadata`` before unpickling
 it and every record's checksum as it reads it (``verify=True``), and takes the
 data of :data:`RAW_TAIL` records from the record's tail, straight into the
-target tensor when the chunk is exactly that tensor, instead of unpickling:
-load went from 0.30x to about 0.9x of ``torch.load`` on the state above.
+target tensor when the chunk is exactly that tensor, instead of unpickling,
+which brings a load close to ``torch.load``'s speed.
 """
 
 from __future__ import annotations

@@ -41,28 +41,29 @@ Example:
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import attrs
 import torch
 import torch.distributed as dist
-from tensordict import TensorDict, TensorDictBase
+from tensordict import TensorDict
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from purestep import tree
-from purestep.state import buffers_of
-from purestep.step import (
-    Batch,
-    Microbatch,
-    as_batch,
-    batch_size,
-    register_bound_backward_hook,
-    register_bound_metrics_hook,
-    with_index,
+from purestep.distributed._data_parallel import Group as Group  # the helpers' group type
+from purestep.distributed._data_parallel import (
+    dp_rank,
+    dp_size,
+    gather,
+    reduce_metrics,
+    shard_batch,
 )
+from purestep.distributed._owners import Owner, owners_of, register
+from purestep.state import buffers_of
+from purestep.step import Microbatch, register_bound_backward_hook, register_bound_metrics_hook
 
 __all__ = [
     "FSDPBinding",
@@ -78,44 +79,6 @@ ShardSpec = Callable[[nn.Module], bool] | Sequence[type[nn.Module]] | Sequence[s
 
 
 # -- the binding ----------------------------------------------------------------------------
-
-
-@attrs.frozen(eq=False)
-class _Owner:
-    """What the backward/metrics hooks need to know about a binding (no strong module refs)."""
-
-    modules: tuple[weakref.ref[nn.Module], ...]
-    mesh: DeviceMesh
-    sync_every_microbatch: bool
-
-    def fsdp_modules(self) -> list[FSDPModule]:
-        out = []
-        for ref in self.modules:
-            m = ref()
-            if m is not None:
-                out.append(cast(FSDPModule, m))
-        return out
-
-
-# id(sharded param) -> (weakref to the param, owner). The weakref guards against id reuse;
-# entries are removed when the param is garbage collected.
-_OWNERS: dict[int, tuple[weakref.ref[torch.Tensor], _Owner]] = {}
-
-
-def _register(params: Iterable[torch.Tensor], owner: _Owner) -> None:
-    for p in params:
-        key = id(p)
-        _OWNERS[key] = (weakref.ref(p), owner)
-        weakref.finalize(p, _OWNERS.pop, key, None)
-
-
-def _owners_of(leaves: Sequence[torch.Tensor]) -> list[_Owner]:
-    found: dict[int, _Owner] = {}
-    for t in leaves:
-        entry = _OWNERS.get(id(t))
-        if entry is not None and entry[0]() is t:
-            found.setdefault(id(entry[1]), entry[1])
-    return list(found.values())
 
 
 # Frozen at runtime (on_setattr); not ``attrs.frozen``, whose read-only attributes mypy
@@ -334,7 +297,7 @@ def bind(
     # blocks first (bottom-up, the order fully_shard was applied), root last
     inner = [m for m in module.modules() if isinstance(m, FSDPModule) and m is not module]
     fsdp_modules: tuple[nn.Module, ...] = (*reversed(inner), module)
-    owner = _Owner(
+    owner = Owner(
         modules=tuple(weakref.ref(m) for m in fsdp_modules),
         mesh=mesh,
         sync_every_microbatch=sync_every_microbatch,
@@ -345,7 +308,7 @@ def bind(
         mesh=mesh,
         sync_every_microbatch=sync_every_microbatch,
     )
-    _register(tree.leaves(binding.params()), owner)
+    register(tree.leaves(binding.params()), owner)
     # The step layer learns about bound roles only once something is bound.
     register_bound_backward_hook(_before_backward)
     register_bound_metrics_hook(_reduce_bound_metrics)
@@ -357,7 +320,7 @@ def bind(
 
 def _before_backward(leaves: Sequence[torch.Tensor], mb: Microbatch) -> None:
     """Gradient sync on the last microbatch only, on every FSDP module of the owning bindings."""
-    for owner in _owners_of(leaves):
+    for owner in owners_of(leaves):
         sync = mb.is_last or owner.sync_every_microbatch
         for m in owner.fsdp_modules():
             m.set_requires_gradient_sync(sync, recurse=False)
@@ -365,165 +328,7 @@ def _before_backward(leaves: Sequence[torch.Tensor], mb: Microbatch) -> None:
 
 
 def _reduce_bound_metrics(leaves: Sequence[torch.Tensor], metrics: TensorDict) -> TensorDict:
-    owners = _owners_of(leaves)
+    owners = owners_of(leaves)
     if not owners:
         return metrics
     return reduce_metrics(metrics, owners[0].mesh)
-
-
-# -- data parallelism -----------------------------------------------------------------------
-
-
-Group = DeviceMesh | dist.ProcessGroup | None
-
-
-def dp_rank(group: Group = None) -> int:
-    """This process's data-parallel rank: its position in ``group`` (row-major for a 2-D mesh).
-
-    ``group`` is a device mesh (all its dims are data parallel, as in HSDP), a
-    process group, or None for the default group (0 without a process group).
-
-    Example:
-        >>> dp_rank()  # no process group
-        0
-    """
-    if isinstance(group, DeviceMesh):
-        coord = group.get_coordinate()
-        if coord is None:
-            raise ValueError("dp_rank: this rank is not part of the mesh")
-        r = 0
-        for c, n in zip(coord, group.shape, strict=True):
-            r = r * n + c
-        return r
-    if not (dist.is_available() and dist.is_initialized()):
-        return 0
-    return dist.get_rank(group)
-
-
-def dp_size(group: Group = None) -> int:
-    """The number of data-parallel ranks in ``group`` (see :func:`dp_rank`).
-
-    Example:
-        >>> dp_size()  # no process group
-        1
-    """
-    if isinstance(group, DeviceMesh):
-        return group.size()
-    if not (dist.is_available() and dist.is_initialized()):
-        return 1
-    return dist.get_world_size(group)
-
-
-def shard_batch(batch: Batch, group: Group = None) -> TensorDictBase:
-    """This rank's contiguous slice of a global batch, with global sample ids in ``"index"``.
-
-    ``batch["index"] = arange(B)`` is assigned first when absent (before the
-    split), so per-sample randomness drawn with ``index`` is the same as in one
-    process. Every rank must pass the same global batch.
-
-    Args:
-        batch: the global batch (a TensorDict ``[B]`` or a dict of tensors).
-        group: the data-parallel mesh or process group (default: the default group).
-
-    Raises:
-        ValueError: ``B`` is not divisible by the number of data-parallel ranks
-            (the per-rank means would then not average to the global mean).
-
-    Example:
-        >>> import torch
-        >>> shard_batch({"x": torch.zeros(4, 2)})["index"]  # one process: the whole batch
-        tensor([0, 1, 2, 3])
-    """
-    td = with_index(as_batch(batch))
-    b, n, r = batch_size(td), dp_size(group), dp_rank(group)
-    if b % n != 0:
-        raise ValueError(
-            f"shard_batch: global batch of {b} samples is not divisible by the {n} "
-            "data-parallel ranks; every rank needs the same number of samples so that "
-            "the mean over ranks of per-rank mean losses is the global mean"
-        )
-    per = b // n
-    return td[r * per : (r + 1) * per]
-
-
-def _reduce_device(group: Group) -> torch.device:
-    if isinstance(group, DeviceMesh):
-        return torch.device(group.device_type) if group.device_type == "cpu" else _accel()
-    backend = str(dist.get_backend(group)).lower()
-    return torch.device("cpu") if backend == "gloo" else _accel()
-
-
-def _accel() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device())
-
-
-def reduce_metrics(metrics: TensorDictBase, group: Group = None) -> TensorDict:
-    """Average floating-point metrics over the data-parallel ranks in one collective.
-
-    Each rank's metrics are means over its own samples; with equal per-rank
-    sample counts their average is the global-batch mean, i.e. what one process
-    would log. Floating leaves of any shape are averaged (in float32, then cast
-    back); other leaves (counts, flags) are returned as they are. Every rank
-    must call this with the same keys. Without a process group (or with one
-    rank) ``metrics`` is returned unchanged.
-
-    ``train_step`` already does this for states with bound (FSDP) roles; call it
-    for metrics of a ``grad_fn`` used directly.
-
-    Args:
-        metrics: a TensorDict of metrics (not modified).
-        group: the data-parallel mesh (2-D: reduced over both dims) or process
-            group; default: the default group.
-
-    Example:
-        >>> import torch
-        >>> from tensordict import TensorDict
-        >>> m = TensorDict({"loss": torch.tensor(2.0)}, [])
-        >>> reduce_metrics(m)["loss"]  # one process: unchanged
-        tensor(2.)
-    """
-    if dp_size(group) == 1:
-        return metrics
-    leaves = tree.leaves(metrics)
-    idx = [i for i, t in enumerate(leaves) if t.is_floating_point()]
-    if not idx:
-        return metrics
-    device = _reduce_device(group)
-    flat = torch.cat([leaves[i].detach().reshape(-1).to(device, torch.float32) for i in idx])
-    if isinstance(group, DeviceMesh):
-        if group.size() == dist.get_world_size():
-            dist.all_reduce(flat)  # the default group covers the mesh: one collective
-        else:
-            for d in range(group.ndim):
-                dist.all_reduce(flat, group=group.get_group(d))
-    else:
-        dist.all_reduce(flat, group=group)
-    flat.div_(dp_size(group))
-    out = list(leaves)
-    start = 0
-    for i in idx:
-        t = leaves[i]
-        n = t.numel()
-        out[i] = flat[start : start + n].reshape(t.shape).to(t.device, t.dtype)
-        start += n
-    return tree.rebuild(metrics, out)
-
-
-def gather(params: TensorDictBase) -> TensorDict:
-    """Full (unsharded) plain tensors of every leaf: DTensors are all-gathered, others copied.
-
-    A collective when ``params`` has DTensor leaves: every rank must call it
-    with the same keys (calling it on one rank only hangs or aborts the group).
-    Use it for exporting weights or comparing with a single-process run.
-
-    Example:
-        >>> import torch
-        >>> from tensordict import TensorDict
-        >>> gather(TensorDict({"w": torch.ones(2)}, []))["w"]
-        tensor([1., 1.])
-    """
-    out = []
-    for t in tree.leaves(params):
-        full: Callable[[], torch.Tensor] | None = getattr(t, "full_tensor", None)
-        out.append(full().detach() if full is not None else t.detach().clone())
-    return tree.rebuild(params, out)

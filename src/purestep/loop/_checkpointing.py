@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from tensordict import TensorDict, TensorDictBase
 
+from purestep._keys import PARAMS, STEP
 from purestep.distributed import checkpoint as ckpt
 from purestep.loop._data import DataStream, decode_state
 from purestep.step import is_bound
@@ -142,7 +143,7 @@ def restore_any(
 
 
 def _has_bound_params(state: TensorDictBase) -> bool:
-    params = state.get("params", None)
+    params = state.get(PARAMS, None)
     if not isinstance(params, TensorDictBase):
         return False
     roles = [params.get(r) for r in params.keys()]
@@ -170,7 +171,7 @@ def restore(path: Path, state: TensorDictBase, stream: DataStream) -> TensorDict
         consumed = int(loaded.get((LOOP_KEY, "batches_consumed")))
         loaded = loaded.exclude(LOOP_KEY)
     else:  # a checkpoint saved outside the loop: assume one batch per step
-        consumed = int(loaded.get("step"))
+        consumed = int(loaded.get(STEP))
     saved = md.get("per_rank_keys", {}).get(str(rank()), {})
     if md.get("world_size") == _world() and f"{LOOP_KEY}.epoch" in saved:
         pos: dict[str, torch.Tensor] = {"epoch": _scalar(0), "position": _scalar(0)}

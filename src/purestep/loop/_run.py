@@ -6,7 +6,6 @@ import contextlib
 import datetime
 import importlib
 import os
-import re
 import signal
 import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -17,6 +16,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from purestep._images import write_png
+from purestep._keys import STEP
 from purestep.distributed import checkpoint as ckpt
 from purestep.loop._checkpointing import (
     LOOP_KEY,
@@ -66,7 +66,7 @@ class Preempted(SystemExit):
     def __init__(self, state: TensorDictBase, signum: int, checkpoint: Path | None) -> None:
         super().__init__(128 + signum)
         self.state = state
-        self.step = int(state.get("step"))
+        self.step = int(state.get(STEP))
         self.signum = signum
         self.checkpoint = checkpoint
 
@@ -118,9 +118,6 @@ def _check_timeout(value: Any) -> None:
         raise ValueError(f"run: collective_timeout must be positive, got {value!r}")
 
 
-_TD_MISSING = re.compile(r'key "(.+?)" not found in \w+ with keys \[(.*)\]', re.S)
-
-
 def _key_sets(td: TensorDictBase) -> list[set[str]]:
     out = [set(td.keys())]
     for k in td.keys():
@@ -130,16 +127,37 @@ def _key_sets(td: TensorDictBase) -> list[set[str]]:
     return out
 
 
-def _missing_batch_key(err: KeyError, batch: TensorDictBase) -> str | None:
-    """The key named by a TensorDict KeyError raised on ``batch`` (or a split of it)."""
-    msg = err.args[0] if err.args else None
-    m = _TD_MISSING.search(msg) if isinstance(msg, str) else None
-    if m is None:
-        return None
-    listed = set(re.findall(r"'([^']*)'", m.group(2)))
-    for keys in _key_sets(batch):
-        if listed in (keys, keys | {"index"}):
-            return m.group(1)
+def _missing_batch_key(err: KeyError, batch: TensorDictBase) -> str | tuple[str, ...] | None:
+    """The key a failed lookup on ``batch`` (or a node or split of it) asked for, or None.
+
+    Read from the traceback, not from the error's text: the outermost frame of a
+    method called on such a TensorDict (``td[key]``, ``td.get(key)``: the key is
+    the first argument after ``self``) whose key the TensorDict lacks. A split
+    is recognised by its keys (a batch's, perhaps plus the ``"index"`` the step
+    adds); a failed lookup on anything else (the state, a dict) is not a batch key.
+    """
+    nodes = _key_sets(batch)
+    tb = err.__traceback__
+    while tb is not None:
+        frame, tb = tb.tb_frame, tb.tb_next
+        code = frame.f_code
+        names = code.co_varnames[: code.co_argcount]
+        if len(names) < 2 or names[0] != "self":
+            continue
+        td = frame.f_locals.get("self")
+        if not isinstance(td, TensorDictBase):
+            continue
+        keys = set(td.keys())
+        if keys not in nodes and keys - {"index"} not in nodes:
+            continue
+        key = frame.f_locals.get(names[1])
+        if isinstance(key, tuple) and len(key) == 1:
+            key = key[0]
+        if isinstance(key, tuple) and key and all(isinstance(k, str) for k in key):
+            if key not in td.keys(include_nested=True):
+                return cast(tuple[str, ...], key)
+        elif isinstance(key, str) and key not in keys:
+            return key
     return None
 
 
@@ -371,7 +389,7 @@ def run(
         state = prepare(state)
     if LOOP_KEY in state:
         raise ValueError(f"run: the state has a top-level key {LOOP_KEY!r}, reserved for the loop")
-    if "step" not in state:
+    if STEP not in state:
         raise KeyError("run: the state has no 'step' counter (build it with purestep.init_state)")
     root = None if checkpoint_dir is None else Path(checkpoint_dir)
     if root is not None:
@@ -384,7 +402,7 @@ def run(
         source = None
         if sources:
             state, source = restore_any(sources, state, stream)
-        s = int(state.get("step"))
+        s = int(state.get(STEP))
         if s > num_steps:
             raise ValueError(f"run: resumed at step {s}, past num_steps={num_steps}")
         buf = MetricBuffer()
@@ -415,7 +433,7 @@ def run(
                 while s < num_steps:
                     phase[0] = f"in step {s + 1} (state['step'] was {s})"
                     state, metrics = _call(step, state, _to_batch(stream.next(), s), s)
-                    new = int(state.get("step"))
+                    new = int(state.get(STEP))
                     if new <= s:
                         raise RuntimeError(
                             f"run: the step did not advance state['step'] (was {s}, now {new})"

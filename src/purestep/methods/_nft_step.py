@@ -11,6 +11,7 @@ from tensordict import TensorDict, TensorDictBase
 from torch import nn
 
 from purestep import _compat, rng, tree
+from purestep._keys import EXTRA, OPT_STATE, PARAMS, RNG, STEP
 from purestep.methods import flow
 from purestep.methods._nft_advantages import advantages
 from purestep.methods._nft_objective import NFTConfig, loss_fn
@@ -38,6 +39,8 @@ PERM = int.from_bytes(b"nftperm", "big")
 """Purpose of the per-epoch minibatch permutation: ``fold_in(k_s, PERM, epoch)``."""
 INNER_ROOT = -1
 """``fold_in(state["rng"], INNER_ROOT)`` is the root key of the inner updates (no step is -1)."""
+INNER_STEP = "inner_step"
+"""``state["extra", INNER_STEP]``: the inner updates taken so far (DiffusionNFT's own key)."""
 
 
 def _decay_value(decay: DecayLike, step: int) -> float:
@@ -69,17 +72,17 @@ def old_update(state: TensorDictBase, decay: float, *, donate: bool = False) -> 
     if not 0.0 <= d <= 1.0:
         raise ValueError(f"old_update: decay must be in [0, 1], got {d}")
     for role in ("old", "student"):
-        if ("params", role) not in state.keys(include_nested=True):
+        if (PARAMS, role) not in state.keys(include_nested=True):
             raise KeyError(f"old_update: state has no params[{role!r}]")
-    old_td = state.get(("params", "old"))
-    student_td = state.get(("params", "student"))
+    old_td = state.get((PARAMS, "old"))
+    student_td = state.get((PARAMS, "student"))
     tree.assert_same_structure(student_td, old_td, what="params['old']", like="params['student']")
     old, new = tree.leaves(old_td), tree.leaves(student_td)
     if donate:
         _compat.foreach_lerp_([tree.local(o) for o in old], [tree.local(s) for s in new], 1.0 - d)
         return state
     out = state.copy()
-    out.set(("params", "old"), tree.rebuild(old_td, _compat.foreach_lerp(old, new, 1.0 - d)))
+    out.set((PARAMS, "old"), tree.rebuild(old_td, _compat.foreach_lerp(old, new, 1.0 - d)))
     return out
 
 
@@ -133,7 +136,7 @@ def init_state(
         {"student": student_params, "old": tree.clone(student_params)},
         {"student": optimizer},
         seed=seed,
-        extra={"inner_step": torch.zeros((), dtype=torch.int64)},
+        extra={INNER_STEP: torch.zeros((), dtype=torch.int64)},
     )
 
 
@@ -156,9 +159,9 @@ def _mean_metrics(all_metrics: list[TensorDict]) -> TensorDict:
 def _check_not_aliased(state: TensorDictBase) -> None:
     """A donated old-policy update must not write into the student's buffers."""
     student = {
-        tree.local(t).data_ptr() for t in tree.leaves(state.get(("params", "student"))) if t.numel()
+        tree.local(t).data_ptr() for t in tree.leaves(state.get((PARAMS, "student"))) if t.numel()
     }
-    old = state.get(("params", "old"))
+    old = state.get((PARAMS, "old"))
     for path, t in zip(tree.paths(old), tree.leaves(old), strict=True):
         if t.numel() and tree.local(t).data_ptr() in student:
             raise ValueError(
@@ -207,15 +210,15 @@ class NFTStep:
     def prepare(self, state: TensorDictBase) -> TensorDict:
         """Check the roles and add ``extra["inner_step"] = 0`` when missing."""
         for role in ("student", "old"):
-            if role not in state.get("params"):
+            if role not in state.get(PARAMS):
                 raise KeyError(f"nft: state has no params[{role!r}]; build it with nft.init_state")
         state = self.inner.prepare(state)
         if self.donate:
             _check_not_aliased(state)
-        if ("extra", "inner_step") in state.keys(include_nested=True):
+        if (EXTRA, INNER_STEP) in state.keys(include_nested=True):
             return state
         out = state.copy()
-        out.set(("extra", "inner_step"), torch.zeros((), dtype=torch.int64))
+        out.set((EXTRA, INNER_STEP), torch.zeros((), dtype=torch.int64))
         return out
 
     def rollouts(self, state: TensorDictBase, prompts: Batch) -> tuple[TensorDict, TensorDict]:
@@ -225,10 +228,10 @@ class NFTStep:
         key is ``fold_in(fold_in(state["rng"], state["step"]), Purpose.ROLLOUT_NOISE)``.
         Metrics: ``("rollout", "reward")`` (mean) and ``("rollout", "reward_std")``.
         """
-        key = rng.fold_in(state.get("rng"), state.get("step"))
+        key = rng.fold_in(state.get(RNG), state.get(STEP))
         ro = sample(
             self.model,
-            state.get(("params", "old")),
+            state.get((PARAMS, "old")),
             prompts,
             flow.purpose_key(key, flow.Purpose.ROLLOUT_NOISE),
             group_size=self.group_size,
@@ -275,14 +278,14 @@ class NFTStep:
         data = rollouts.select("x0", "adv", "index", "prompt", strict=False)
         view: TensorDictBase = TensorDict(
             {
-                "params": state.get("params"),
-                "opt_state": state.get("opt_state"),
-                "rng": rng.fold_in(state.get("rng"), INNER_ROOT),
-                "step": state.get(("extra", "inner_step")),
+                PARAMS: state.get(PARAMS),
+                OPT_STATE: state.get(OPT_STATE),
+                RNG: rng.fold_in(state.get(RNG), INNER_ROOT),
+                STEP: state.get((EXTRA, INNER_STEP)),
             },
             batch_size=[],
         )
-        perm_key = rng.fold_in(state.get("rng"), state.get("step"), PERM)
+        perm_key = rng.fold_in(state.get(RNG), state.get(STEP), PERM)
         metrics: list[TensorDict] = []
         data_device = data.get("x0").device  # the order is drawn where the rollouts are
         for epoch in range(self.inner_epochs):
@@ -291,22 +294,22 @@ class NFTStep:
                 view, m = self.inner(view, data[perm[start : start + mb]])
                 metrics.append(m)
         out = state if self.donate else state.copy()
-        out.set("params", view.get("params"))
-        out.set("opt_state", view.get("opt_state"))
-        out.set(("extra", "inner_step"), view.get("step"))
+        out.set(PARAMS, view.get(PARAMS))
+        out.set(OPT_STATE, view.get(OPT_STATE))
+        out.set((EXTRA, INNER_STEP), view.get(STEP))
         return out, _mean_metrics(metrics)
 
     def __call__(self, state: TensorDictBase, batch: Batch) -> tuple[TensorDict, TensorDict]:
         state = self.prepare(state)
-        step = int(state.get("step"))
+        step = int(state.get(STEP))
         decay = _decay_value(self.decay, step)
         ro, metrics = self.rollouts(state, batch)
         out, inner_metrics = self.inner_updates(state, ro)
         out = old_update(out, decay, donate=self.donate)
         if self.donate:
-            out.get("step").add_(1)
+            out.get(STEP).add_(1)
         else:
-            out.set("step", state.get("step") + 1)
+            out.set(STEP, state.get(STEP) + 1)
         metrics.update(inner_metrics)
         metrics.set(("old", "decay"), torch.tensor(decay, dtype=torch.float64))
         return out, metrics

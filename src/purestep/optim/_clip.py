@@ -10,7 +10,7 @@ from tensordict import TensorDict, TensorDictBase
 from purestep import tree
 from purestep.optim._base import Transform
 from purestep.optim._hparams import ClipHParams, check_grads
-from purestep.optim._kernels import foreach_mul_, locals_
+from purestep.optim._kernels import foreach_mul_, local_shards
 
 __all__ = ["clip_by_global_norm"]
 
@@ -65,7 +65,7 @@ def clip_by_global_norm(max_norm: float) -> Transform:
         new_state = TensorDict({"norm": norm}, batch_size=[])
         if not donate:  # the same in-place op on fresh copies
             g = [t.clone() for t in g]
-        foreach_mul_(locals_(g), coef)
+        foreach_mul_(local_shards(g), coef)
         return cast(TensorDict, grads) if donate else tree.rebuild(grads, g), new_state
 
     return Transform(init_fn=init, update_fn=update, name="clip_by_global_norm", hparams=hp)

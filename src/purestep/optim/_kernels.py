@@ -41,7 +41,7 @@ __all__ = [
     "fused_supported",
     "is_dense",
     "kernel_transform",
-    "locals_",
+    "local_shards",
     "lr_at",
     "match_layout",
     "pack_steps",
@@ -263,12 +263,12 @@ def chunks(tensors: list[torch.Tensor], budget: int | None = None) -> list[slice
     return out
 
 
-def locals_(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+def local_shards(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """The local shard of every DTensor in ``tensors`` (plain tensors as they are).
 
     Example:
         >>> a = [torch.ones(1)]
-        >>> locals_(a)[0] is a[0]
+        >>> local_shards(a)[0] is a[0]
         True
     """
     tensor = torch.Tensor
@@ -528,10 +528,10 @@ def kernel_transform(
             m = [[_clone(t) for t in ms] for ms in m]
         if s is not None and s:
             s = bump_steps(s, donate=donate_state)
-        lp = locals_(p)
+        lp = local_shards(p)
         if lp:
-            g = match_layout(lp, locals_(tree.leaves(grads)))
-            kernel(lp, g, [locals_(ms) for ms in m], rate, s, n)
+            g = match_layout(lp, local_shards(tree.leaves(grads)))
+            kernel(lp, g, [local_shards(ms) for ms in m], rate, s, n)
         new_state: dict[str, object] = dict(scalar_state(n + 1, rate))
         for k, ms in zip(keys, m, strict=True):
             new_state[k] = state[k] if donate_state else tree.rebuild(state[k], ms)
@@ -568,8 +568,8 @@ def kernel_transform(
             params = tree.zeros_like(grads)  # updates do not depend on params: exact
         tree.assert_same_structure(params, grads)
         p, new_state = run(grads, state, params, donate_params=False, donate_state=donate)
-        before = locals_(tree.leaves(params))
-        lp = locals_(p)
+        before = local_shards(tree.leaves(params))
+        lp = local_shards(p)
         if lp:
             _compat.foreach_sub_(lp, before)
         return tree.rebuild(params, p), TensorDict(new_state, batch_size=[])

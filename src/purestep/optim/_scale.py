@@ -9,7 +9,7 @@ from tensordict import TensorDict, TensorDictBase
 from purestep import tree
 from purestep.optim._base import ScalarOrSchedule, Transform
 from purestep.optim._hparams import check_grads
-from purestep.optim._kernels import foreach_mul_, locals_, lr_at, scalar_state
+from purestep.optim._kernels import foreach_mul_, local_shards, lr_at, scalar_state
 
 __all__ = ["scale_by_schedule"]
 
@@ -61,7 +61,7 @@ def scale_by_schedule(schedule: ScalarOrSchedule) -> Transform:
         new_state = TensorDict(scalar_state(n + 1), batch_size=[])
         if not donate:  # the same in-place op on fresh copies
             g = [t.clone() for t in g]
-        foreach_mul_(locals_(g), factor)
+        foreach_mul_(local_shards(g), factor)
         return cast(TensorDict, grads) if donate else tree.rebuild(grads, g), new_state
 
     return Transform(init_fn=init, update_fn=update, name="scale_by_schedule", hparams=schedule)

@@ -14,18 +14,11 @@ from purestep.step._bound import (
 )
 from purestep.step._call import call, call_scope, recording_modules
 from purestep.step._context import Microbatch, current_microbatch, live_roles
+from purestep.step._counters import add_skip_counters, next_step, set_skip, skip_update
 from purestep.step._donation import is_donated
 from purestep.step._grad import GradFn, LossFn, value_and_grad
 from purestep.step._swap import module_tensors
-from purestep.step._train import (
-    Step,
-    TrainStep,
-    add_skip_counters,
-    apply_gradients,
-    set_skip,
-    skip_update,
-    train_step,
-)
+from purestep.step._train import Step, TrainStep, apply_gradients, train_step
 from purestep.step._validate import check_state
 from purestep.step._wrappers import EMAStep, skip_nonfinite, with_ema
 
@@ -54,6 +47,7 @@ __all__ = [
     "live_roles",
     "microbatch_sizes",
     "module_tensors",
+    "next_step",
     "recording_modules",
     "register_bound_backward_hook",
     "register_bound_metrics_hook",

@@ -6,17 +6,19 @@ import contextlib
 import inspect
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Protocol, cast
+from typing import Any, Protocol
 
 import attrs
 import torch
 from tensordict import TensorDict, TensorDictBase
 
 from purestep import rng, tree
-from purestep.errors import NonFiniteError, PurestepError, RoleError, StateError, with_prefix
+from purestep._keys import BUFFERS, OPT_STATE, PARAMS, RNG, STEP
+from purestep.errors import PurestepError, RoleError, with_prefix
 from purestep.optim import Transform, current_lr
 from purestep.step._batch import Batch, prepare_batch
 from purestep.step._bound import is_bound, reduce_bound_metrics
+from purestep.step._counters import add_skip_counters, all_finite, next_step, set_skip, skip_update
 from purestep.step._donation import check_live, fresh_top, is_donated, mark_donated
 from purestep.step._grad import GradFn
 from purestep.step._validate import check_state, diagnose, remember
@@ -41,7 +43,7 @@ def _check_bound_donation(state: TensorDictBase, roles: Sequence[str], donate: b
     if donate:
         return
     for role in roles:
-        if is_bound(state.get(("params", role))):
+        if is_bound(state.get((PARAMS, role))):
             raise ValueError(
                 f"role {role!r} is bound to a module (FSDP); its params are the module's own "
                 "parameters and are updated in place: build the step with donate=True"
@@ -120,7 +122,7 @@ def apply_gradients(
             )
     if isinstance(state, TensorDictBase):
         check_live(state, "apply_gradients")
-        have = state.get("params") if "params" in state.keys() else None
+        have = state.get(PARAMS) if PARAMS in state.keys() else None
         if isinstance(have, TensorDictBase):
             for role in roles:
                 if role not in have.keys():
@@ -154,8 +156,8 @@ def _apply(
     done = 0
     try:
         for role in roles:
-            params = state.get(("params", role))
-            opt_state = state.get(("opt_state", role))
+            params = state.get((PARAMS, role))
+            opt_state = state.get((OPT_STATE, role))
             try:
                 new_params, new_opt = optimizers[role].step(
                     grads.get(role), opt_state, params, donate=donate
@@ -171,9 +173,9 @@ def _apply(
                     raise with_prefix(e, f"role {role!r}: ") from e
                 raise
             if new_params is not params:
-                out.set(("params", role), new_params)
+                out.set((PARAMS, role), new_params)
             if new_opt is not opt_state:
-                out.set(("opt_state", role), new_opt)
+                out.set((OPT_STATE, role), new_opt)
             done += 1
     except BaseException:
         # a failure before the first role's update leaves the state as it was (kernels
@@ -184,13 +186,6 @@ def _apply(
     if donate:
         mark_donated(state, "apply_gradients(donate=True)")
     return out
-
-
-def _next_step(state: TensorDictBase, out: TensorDictBase, donate: bool) -> None:
-    if donate:
-        out.get("step").add_(1)
-    else:
-        out.set("step", state.get("step") + 1)
 
 
 @attrs.frozen
@@ -228,11 +223,11 @@ class TrainStep:
         entry = state
         state = self.prepare(state)
         batch = prepare_batch(batch)
-        step = int(state.get("step"))
-        key = rng.fold_in(state.get("rng"), state.get("step"))
+        step = int(state.get(STEP))
+        key = rng.fold_in(state.get(RNG), state.get(STEP))
         roles = self.due_roles(step)
         _check_bound_donation(state, roles, self.donate)
-        params = state.get("params")
+        params = state.get(PARAMS)
         work = _working_buffers(state)
         extra: dict[str, Any] = {}
         if _takes(self.grad_fn, "buffers"):
@@ -263,7 +258,7 @@ class TrainStep:
             else {}
         )
         if self.skip_nonfinite:
-            finite = _all_finite(metrics, norms)
+            finite = all_finite(metrics, norms)
             if not bool(finite):
                 return self._skipped(entry, state, metrics, step)
         try:
@@ -280,13 +275,13 @@ class TrainStep:
             if state is not entry:
                 mark_donated(state, what)
         if new_buffers is not None:
-            out.set("buffers", new_buffers)
-        _next_step(state, out, self.donate)
+            out.set(BUFFERS, new_buffers)
+        next_step(state, out, self.donate)
         if self.skip_nonfinite:
             set_skip(out, state, consecutive=0, total_inc=0, donate=self.donate)
             metrics.set("skipped", torch.zeros((), dtype=torch.bool))
         for role in updated:
-            lr = current_lr(out.get(("opt_state", role)))
+            lr = current_lr(out.get((OPT_STATE, role)))
             if lr is not None:
                 metrics.set((role, "lr"), lr)
             if role in norms:
@@ -310,23 +305,6 @@ class TrainStep:
                 mark_donated(state, what)
         remember(out[0], self.optimizers)
         return out
-
-
-def _check_skip(skip: object) -> None:
-    if not isinstance(skip, TensorDictBase):
-        raise StateError(
-            f"skip_nonfinite: state['skip'] is a {type(skip).__name__}; it keeps a "
-            "tree {'total', 'consecutive'} there (drop it and call step.prepare to rebuild)",
-            path=("skip",),
-        )
-    for key in ("total", "consecutive"):
-        t = skip.get(key) if key in skip.keys() else None
-        if not (isinstance(t, torch.Tensor) and t.dtype == torch.int64 and t.numel() == 1):
-            raise StateError(
-                f"skip_nonfinite: state['skip', {key!r}] must be an int64 0-dim tensor (a count of "
-                "skipped steps); drop state['skip'] and call step.prepare to rebuild it",
-                path=("skip", key),
-            )
 
 
 def _takes(fn: Any, name: str) -> bool:
@@ -361,14 +339,14 @@ def _working_buffers(state: TensorDictBase) -> TensorDict | None:
     Always a copy, donated or not: a step that is skipped (non-finite) leaves
     the buffers as they were.
     """
-    if "buffers" not in state.keys():
+    if BUFFERS not in state.keys():
         return None
-    buffers = state.get("buffers")
+    buffers = state.get(BUFFERS)
     out = {}
     for role in buffers.keys():
         role_bufs = buffers.get(role)
         # a bound role's buffers are the module's own, updated in place by its forward
-        out[role] = role_bufs if is_bound(state.get(("params", role))) else tree.clone(role_bufs)
+        out[role] = role_bufs if is_bound(state.get((PARAMS, role))) else tree.clone(role_bufs)
     return tree.plain_td(out)
 
 
@@ -378,8 +356,8 @@ def _split_written(
     """The new buffers, and the params the forward wrote in place, from the working copy."""
     if work is None:
         return None, {}
-    has_buffers = "buffers" in state.keys()
-    old = state.get("buffers") if has_buffers else None
+    has_buffers = BUFFERS in state.keys()
+    old = state.get(BUFFERS) if has_buffers else None
     written: dict[str, TensorDict] = {}
     out: dict[str, Any] = {}
     for role in work.keys():
@@ -406,10 +384,10 @@ def _with_written_params(
     if donate:
         for role, td in written.items():
             for path, leaf in zip(tree.paths(td), tree.leaves(td), strict=True):
-                state.get(("params", role, *path)).copy_(leaf)
+                state.get((PARAMS, role, *path)).copy_(leaf)
         return state
     out = state.copy()
-    params = out.get("params").copy()
+    params = out.get(PARAMS).copy()
     for role, td in written.items():
         like = params.get(role)
         new = dict(zip(tree.paths(td), tree.leaves(td), strict=True))
@@ -420,93 +398,8 @@ def _with_written_params(
                 [new.get(p, t) for p, t in zip(tree.paths(like), tree.leaves(like), strict=True)],
             ),
         )
-    out.set("params", params)
+    out.set(PARAMS, params)
     return out
-
-
-def _all_finite(metrics: TensorDictBase, norms: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    checks = [torch.isfinite(n).all() for n in norms.values()]
-    for path, leaf in zip(tree.paths(metrics), tree.leaves(metrics), strict=True):
-        if path[-1] == "loss" and leaf.is_floating_point():
-            checks.append(
-                torch.isfinite(leaf).all().to(checks[0].device if checks else leaf.device)
-            )
-    if not checks:
-        return torch.ones((), dtype=torch.bool)
-    return torch.stack([c.cpu() for c in checks]).all()
-
-
-def skip_update(
-    state: TensorDictBase,
-    metrics: TensorDict,
-    *,
-    donate: bool,
-    max_consecutive: int | None,
-) -> tuple[TensorDict, TensorDict]:
-    """The result of a step whose update is discarded: only ``step`` and the skip counters move.
-
-    The shared ending of every ``skip_nonfinite`` path (a train step's, a wrapper's, a
-    compiled step's): counts the skip, raises :class:`NonFiniteError` past
-    ``max_consecutive`` consecutive skips, and sets the ``skipped`` metric.
-
-    Example:
-        >>> import torch
-        >>> from tensordict import TensorDict
-        >>> s = add_skip_counters(TensorDict({"step": torch.tensor(4)}, []))
-        >>> out, m = skip_update(s, TensorDict({}, []), donate=False, max_consecutive=None)
-        >>> int(out["step"]), int(out["skip", "total"]), bool(m["skipped"])
-        (5, 1, True)
-    """
-    consecutive = int(state.get(("skip", "consecutive"))) + 1
-    if max_consecutive is not None and consecutive > max_consecutive:
-        raise NonFiniteError(
-            f"{consecutive} consecutive steps with a non-finite loss or gradient "
-            f"(max_consecutive={max_consecutive}), last at step {int(state.get('step'))}"
-        )
-    out = cast(TensorDict, state) if donate else state.copy()
-    _next_step(state, out, donate)
-    set_skip(out, state, consecutive=consecutive, total_inc=1, donate=donate)
-    metrics.set("skipped", torch.ones((), dtype=torch.bool))
-    return out, metrics
-
-
-def add_skip_counters(state: TensorDictBase) -> TensorDict:
-    """``state`` with ``state["skip", "total" | "consecutive"]`` (int64 zeros) where missing.
-
-    Example:
-        >>> from tensordict import TensorDict
-        >>> sorted(add_skip_counters(TensorDict({}, []))["skip"].keys())
-        ['consecutive', 'total']
-    """
-    if "skip" in state.keys():
-        _check_skip(state.get("skip"))
-        return cast(TensorDict, state)
-    out = state.copy()
-    zero = torch.zeros((), dtype=torch.int64)
-    out.set("skip", TensorDict({"total": zero, "consecutive": zero.clone()}, []))
-    return out
-
-
-def set_skip(
-    out: TensorDictBase, state: TensorDictBase, *, consecutive: int, total_inc: int, donate: bool
-) -> None:
-    """Write the skip counters of ``out`` from ``state``'s (in place when ``donate``).
-
-    Example:
-        >>> import torch
-        >>> from tensordict import TensorDict
-        >>> s = add_skip_counters(TensorDict({}, []))
-        >>> set_skip(s, s, consecutive=0, total_inc=0, donate=True)
-        >>> int(s["skip", "consecutive"])
-        0
-    """
-    total = state.get(("skip", "total"))
-    if donate:
-        out.get(("skip", "consecutive")).fill_(consecutive)
-        total.add_(total_inc)
-    else:
-        out.set(("skip", "consecutive"), torch.tensor(consecutive, dtype=torch.int64))
-        out.set(("skip", "total"), total + total_inc)
 
 
 def train_step(

@@ -54,6 +54,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from purestep import tree
+from purestep._keys import BUFFERS, EMA, EMA_BUFFERS, OPT_STATE, PARAMS, RNG, SKIP, STEP
 from purestep._sharing import shared_memory, sharing_message
 from purestep.errors import StateError
 from purestep.optim import Transform
@@ -122,7 +123,7 @@ def remember(state: TensorDictBase, optimizers: Mapping[str, Transform]) -> None
         >>> from tensordict import TensorDict
         >>> remember(TensorDict({"params": {}, "opt_state": {}}, []), {})
     """
-    params, opt = _child(state, "params"), _child(state, "opt_state")
+    params, opt = _child(state, PARAMS), _child(state, OPT_STATE)
     if params is None or opt is None:
         return
     for role, transform in optimizers.items():
@@ -184,11 +185,11 @@ def check_state(
             "purestep.init_state (steps are called as step(state, batch))"
         )
     check_live(state, who)
-    params = _child(state, "params")
+    params = _child(state, PARAMS)
     if not isinstance(params, TensorDictBase):
-        _missing(state, ("params",), who, "{role: tree of params}")
+        _missing(state, (PARAMS,), who, "{role: tree of params}")
     if counters:
-        for key, what in (("step", "the steps taken"), ("rng", "the root PRNG key")):
+        for key, what in ((STEP, "the steps taken"), (RNG, "the root PRNG key")):
             value = _child(state, key)
             if not _is_counter(value):
                 if value is None:
@@ -198,20 +199,20 @@ def check_state(
                     f"tensor ({what}). Build states with purestep.init_state",
                     path=(key,),
                 )
-    buffers = _child(state, "buffers")
+    buffers = _child(state, BUFFERS)
     if isinstance(buffers, TensorDictBase):
         for role in _keys(buffers):
             if _child(params, role) is None:
                 raise StateError(
                     f"{who}: the state has buffers for role {role!r} but no params for it "
                     f"(roles with params: {_keys(params)})",
-                    path=("buffers", role),
+                    path=(BUFFERS, role),
                 )
     if not optimizers:
         return
-    opt = _child(state, "opt_state")
+    opt = _child(state, OPT_STATE)
     if not isinstance(opt, TensorDictBase):
-        _missing(state, ("opt_state",), who, "{role: optimizer state}")
+        _missing(state, (OPT_STATE,), who, "{role: optimizer state}")
     checked = False
     for role, transform in optimizers.items():
         p, o = _child(params, role), _child(opt, role)
@@ -277,14 +278,14 @@ def _check_role(
             f"{who}: the state has no params.{role} (role {role!r} has an optimizer; roles "
             f"with params: {_keys(params)}); build the state with init_state for every role "
             "the step updates",
-            path=("params", role),
+            path=(PARAMS, role),
         )
     if not isinstance(o, TensorDictBase):
         raise StateError(
             f"{who}: the state has no opt_state.{role} (roles with an optimizer state: "
             f"{_keys(opt)}); build it with init_state(..., optimizers) using the optimizers "
             "of this step",
-            path=("opt_state", role),
+            path=(OPT_STATE, role),
         )
     ppaths, pleaves = tree.paths(p), tree.leaves(p)
     for path, leaf in zip(ppaths, pleaves, strict=True):
@@ -292,21 +293,21 @@ def _check_role(
             raise StateError(
                 f"{who}: params.{_fmt((role, *path))} has dtype {leaf.dtype}; trainable params "
                 "must be floating point (integer tensors belong in state['buffers'])",
-                path=("params", role, *path),
+                path=(PARAMS, role, *path),
             )
     expected = _expected_state(p, ppaths, pleaves, transform)
     if expected is None:
         return
     problems = _Problems(role)
     other: list[str] = []
-    _compare(ppaths, expected, o, ("opt_state", role), problems, other)
+    _compare(ppaths, expected, o, (OPT_STATE, role), problems, other)
     if other:
         raise StateError(
             f"{who}: opt_state.{role} was not built by this step's optimizer for role "
             f"{role!r} ({transform.name}): {'; '.join(other)}. A state built for one "
             "optimizer (or other hyperparameters) cannot be stepped with another: build it "
             "with init_state(..., optimizers) using the optimizers of this step",
-            path=("opt_state", role),
+            path=(OPT_STATE, role),
         )
     if problems.items:
         listed, path = problems.render()
@@ -367,7 +368,7 @@ class _Problems:
             if kind == "missing":
                 assert param is not None
                 parts.append(f"{pname} has no optimizer state ({names} {verb} missing)")
-                first = first or ("params", role, *param)
+                first = first or (PARAMS, role, *param)
             elif kind == "extra":
                 assert param is not None
                 parts.append(
@@ -523,7 +524,7 @@ def check_pair(
     _remember(a, b, tag)
 
 
-_WRITTEN = ("params", "opt_state", "buffers", "ema", "ema_buffers", "skip", "step")
+_WRITTEN = (PARAMS, OPT_STATE, BUFFERS, EMA, EMA_BUFFERS, SKIP, STEP)
 
 
 def _check_sharing(state: TensorDictBase, who: str) -> None:

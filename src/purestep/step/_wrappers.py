@@ -18,10 +18,12 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from purestep import _compat, tree
+from purestep._keys import BUFFERS, EMA, EMA_BUFFERS, PARAMS, STEP
 from purestep.errors import StateError
 from purestep.step._batch import Batch
+from purestep.step._counters import add_skip_counters, set_skip, skip_update
 from purestep.step._donation import check_live, mark_donated
-from purestep.step._train import Step, TrainStep, add_skip_counters, set_skip, skip_update
+from purestep.step._train import Step, TrainStep
 from purestep.step._validate import check_pair, remember_pair
 
 __all__ = ["EMAStep", "SkipNonFinite", "skip_nonfinite", "with_ema"]
@@ -65,28 +67,28 @@ class EMAStep:
         """Add ``state["ema", role]`` (a copy of the role's params) where missing."""
         state = _prepare(self.inner, state)
         keys = state.keys(include_nested=True)
-        missing = [r for r in self.roles if ("ema", r) not in keys]
-        missing_buf = [r for r in self.roles if self.buffers and ("ema_buffers", r) not in keys]
+        missing = [r for r in self.roles if (EMA, r) not in keys]
+        missing_buf = [r for r in self.roles if self.buffers and (EMA_BUFFERS, r) not in keys]
         for role in self.roles:
-            if role not in state.get("params").keys():
+            if role not in state.get(PARAMS).keys():
                 raise StateError(
                     f"with_ema: role {role!r} has no params in state (roles with params: "
-                    f"{list(state.get('params').keys())})",
-                    path=("params", role),
+                    f"{list(state.get(PARAMS).keys())})",
+                    path=(PARAMS, role),
                 )
-            if self.buffers and ("buffers", role) not in keys:
+            if self.buffers and (BUFFERS, role) not in keys:
                 raise StateError(
                     f"with_ema(buffers=True): role {role!r} has no buffers in state "
                     "(its module has no persistent buffers)",
-                    path=("buffers", role),
+                    path=(BUFFERS, role),
                 )
         if not missing and not missing_buf:
             return state
         out = state.copy()
         for role in missing:
-            out.set(("ema", role), tree.clone(state.get(("params", role))))
+            out.set((EMA, role), tree.clone(state.get((PARAMS, role))))
         for role in missing_buf:
-            out.set(("ema_buffers", role), tree.clone(state.get(("buffers", role))))
+            out.set((EMA_BUFFERS, role), tree.clone(state.get((BUFFERS, role))))
         return out
 
     def __call__(self, state: TensorDictBase, batch: Batch) -> tuple[TensorDict, TensorDict]:
@@ -95,7 +97,7 @@ class EMAStep:
         entry = state
         state = self.prepare(state)
         self._check(state)
-        step = int(state.get("step"))
+        step = int(state.get(STEP))
         new_state, metrics = self.inner(state, batch)
         if self.donate:
             mark_donated(entry, f"a donated with_ema step at step {step}")
@@ -107,15 +109,15 @@ class EMAStep:
         for role in self.roles:
             if step % self.period(role):
                 continue  # the role did not update at this step: nor does its EMA
-            self._average(new_state, ("params", role), ("ema", role), copy)
+            self._average(new_state, (PARAMS, role), (EMA, role), copy)
             if self.buffers:
-                self._average(new_state, ("buffers", role), ("ema_buffers", role), copy)
+                self._average(new_state, (BUFFERS, role), (EMA_BUFFERS, role), copy)
         self._check(new_state, remember_only=True)
         return new_state, metrics
 
     def _check(self, state: TensorDictBase, *, remember_only: bool = False) -> None:
         """The EMA trees match what they average (once per structure, see ``check_pair``)."""
-        pairs = [("params", "ema")] + ([("buffers", "ema_buffers")] if self.buffers else [])
+        pairs = [(PARAMS, EMA)] + ([(BUFFERS, EMA_BUFFERS)] if self.buffers else [])
         for role in self.roles:
             for src, dst in pairs:
                 a, b = state.get((src, role)), state.get((dst, role))

@@ -17,6 +17,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 from torch import nn
 
+from purestep._keys import OPT_STATE, PARAMS, STEP
 from purestep.step import Batch, as_batch, module_tensors, recording_modules
 from purestep.testing._accumulation import assert_accumulation_invariant
 from purestep.testing._compare import (
@@ -346,12 +347,12 @@ def assert_cadence(
     state = prepare(step, state)
     watch = RngWatch()
     for b in batches:
-        s = int(state.get("step"))
+        s = int(state.get(STEP))
         before = snapshot(_role_view(state, role))
         state, _ = watch.call(f"step {s}", step, state, b)
         after = _role_view(state, role)
         if s % every == 0:
-            if _equal(after.get("params"), before.get("params")):
+            if _equal(after.get(PARAMS), before.get(PARAMS)):
                 raise explain(
                     AssertionError(
                         f"cadence: role {role!r} should update at step {s} (every={every}) but "
@@ -373,9 +374,9 @@ def assert_cadence(
 
 
 def _role_view(state: TensorDictBase, role: str) -> TensorDict:
-    out = TensorDict({"params": state.get(("params", role))}, batch_size=[])
-    if ("opt_state", role) in state.keys(include_nested=True):
-        out.set("opt_state", state.get(("opt_state", role)))
+    out = TensorDict({PARAMS: state.get((PARAMS, role))}, batch_size=[])
+    if (OPT_STATE, role) in state.keys(include_nested=True):
+        out.set(OPT_STATE, state.get((OPT_STATE, role)))
     return out
 
 

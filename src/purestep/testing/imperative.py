@@ -28,6 +28,7 @@ from tensordict import TensorDict, TensorDictBase
 from torch import nn
 
 from purestep import tree
+from purestep._keys import BUFFERS, PARAMS
 from purestep.optim import AdamHParams, SGDHParams, Transform
 from purestep.state import init_state
 from purestep.step import (
@@ -165,23 +166,23 @@ def _variables(module: nn.Module) -> TensorDict:
     """The module's trainable params (and persistent buffers) as a state-shaped tree."""
     module = _unwrap(module)
     params = [(tuple(n.split(".")), p) for n, p in module.named_parameters() if p.requires_grad]
-    out = TensorDict({"params": tree.unflatten(params)}, batch_size=[])
+    out = TensorDict({PARAMS: tree.unflatten(params)}, batch_size=[])
     buffers = [(tuple(n.split(".")), b) for n, b in _persistent_buffers(module)]
     if buffers:
-        out.set("buffers", tree.unflatten(buffers))
+        out.set(BUFFERS, tree.unflatten(buffers))
     return snapshot(out)
 
 
 def _state_variables(state: TensorDictBase, role: str, want_buffers: bool) -> TensorDict:
     keys = state.keys(include_nested=True)
-    if ("params", role) not in keys:
+    if (PARAMS, role) not in keys:
         raise AssertionError(
             f"assert_matches_imperative: the state has no params for role {role!r} "
-            f"(roles: {list(state.get('params').keys()) if 'params' in state.keys() else []})"
+            f"(roles: {list(state.get(PARAMS).keys()) if PARAMS in state.keys() else []})"
         )
-    out = TensorDict({"params": state.get(("params", role))}, batch_size=[])
-    if ("buffers", role) in keys:
-        out.set("buffers", state.get(("buffers", role)))
+    out = TensorDict({PARAMS: state.get((PARAMS, role))}, batch_size=[])
+    if (BUFFERS, role) in keys:
+        out.set(BUFFERS, state.get((BUFFERS, role)))
     elif want_buffers:
         raise AssertionError(
             f"assert_matches_imperative: the module has persistent buffers, but the state has "
@@ -340,7 +341,7 @@ def assert_matches_imperative(
         else " (note: the imperative loop drew from torch's global RNG, e.g. dropout; such "
         "draws differ between the two sides: use dropout 0 or model.eval() for this check)"
     )
-    want_buffers = "buffers" in before.keys()
+    want_buffers = BUFFERS in before.keys()
 
     compare: Callable[..., None]
     if rtol == 0.0 and atol == 0.0:
@@ -393,8 +394,8 @@ def _check(
     hint: str,
 ) -> None:
     actual = _state_variables(state, role, want_buffers)
-    if not want_buffers and "buffers" in actual.keys():
-        del actual["buffers"]
+    if not want_buffers and BUFFERS in actual.keys():
+        del actual[BUFFERS]
     try:
         compare(
             actual,
