@@ -7,6 +7,8 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from tensordict import TensorDict
 
 from _optim import as_tree, run_ours, run_torch
@@ -107,3 +109,71 @@ def test_donated_equals_pure_bitwise_on_a_gapped_param() -> None:
         return params["w"]
 
     assert torch.equal(run(True), run(False))
+
+
+def _unpacked(state: TensorDict) -> TensorDict:
+    """``state`` with every step count in its own tensor (as after a checkpoint load)."""
+    out = state.clone()  # every leaf its own copy
+    assert all(s._base is None for s in tree.leaves(out["steps"]))
+    return out
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    donate=st.booleans(),
+    masks=st.lists(
+        st.lists(st.booleans(), min_size=4, max_size=4).filter(any), min_size=1, max_size=5
+    ),
+    unpack_at=st.integers(min_value=-1, max_value=4),
+)
+def test_step_counts_are_the_same_whether_they_share_one_buffer_or_not(
+    donate: bool, masks: list[list[bool]], unpack_at: int
+) -> None:
+    """Per-parameter step counts kept as views of one buffer (init's layout; a donated step
+    advances them with one ``add_``) give bitwise the same params, moments and counts as
+    counts in separate tensors, for any pattern of params left without a gradient, with and
+    without donation, and after the counts are split apart mid-run (a checkpoint load)."""
+    gen = torch.Generator().manual_seed(0)
+    init = [torch.randn(3, generator=gen) for _ in range(4)]
+    opt = optim.adamw(lr=0.01, weight_decay=0.1)
+    packed_p = as_tree([t.clone() for t in init])
+    packed_s = opt.init(packed_p)
+    steps0 = tree.leaves(packed_s["steps"])
+    assert all(s._base is steps0[0]._base is not None for s in steps0)  # init packs them
+    loose_p, loose_s = packed_p.clone(), _unpacked(packed_s)
+    for i, mask in enumerate(masks):
+        if i == unpack_at:
+            packed_s = _unpacked(packed_s)
+        drawn = [torch.randn(3, generator=gen) for _ in mask]
+        grads = tree.unflatten(
+            [(path, g) for path, g, m in zip(tree.paths(packed_p), drawn, mask, strict=True) if m]
+        )
+        packed_p, packed_s = opt.step(grads, packed_s, packed_p, donate=donate)
+        loose_p, loose_s = opt.step(grads, loose_s, loose_p, donate=False)
+    for a, b in zip(tree.leaves(packed_p), tree.leaves(loose_p), strict=True):
+        assert torch.equal(a, b)
+    for key in ("mu", "nu", "steps"):
+        for a, b in zip(tree.leaves(packed_s[key]), tree.leaves(loose_s[key]), strict=True):
+            assert torch.equal(a, b), key
+    counts = [sum(m[j] for m in masks) for j in range(4)]
+    assert [float(s) for s in tree.leaves(packed_s["steps"])] == counts
+
+
+@pytest.mark.parametrize("how", ["replaced", "duplicated"])
+def test_a_step_count_replaced_by_hand_is_still_counted(how: str) -> None:
+    """A state whose step counts no longer are each element of one buffer exactly once (one
+    replaced by a new tensor, or one set to another's view) is not advanced through the
+    buffer: every count the state holds goes up by exactly one, in new tensors."""
+    params = as_tree([torch.ones(2) for _ in range(3)])
+    opt = optim.adam(lr=0.1)
+    state = opt.init(params)
+    steps = tree.leaves(state["steps"])
+    key = tree.paths(state["steps"])[1]
+    state["steps", *key] = torch.tensor(5.0) if how == "replaced" else steps[0]
+    before = [float(s) for s in tree.leaves(state["steps"])]
+    grads = as_tree([torch.ones(2) for _ in range(3)])
+    _, new = opt.step(grads, state, params, donate=True)
+    after = [float(s) for s in tree.leaves(new["steps"])]
+    assert after == [b + 1 for b in before]
+    if how == "duplicated":  # the shared tensor was not written through twice
+        assert float(steps[0]) == 0.0
