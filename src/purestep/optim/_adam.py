@@ -23,8 +23,8 @@ from purestep.optim._kernels import (
     fused_supported,
     kernel_transform,
     pick,
-    steps_by_value,
 )
+from purestep.optim._steps import steps_by_value
 
 __all__ = ["adam", "adamw"]
 

@@ -30,12 +30,12 @@ from tensordict import TensorDict, TensorDictBase
 from purestep import _compat, tree
 from purestep.errors import ScheduleError
 from purestep.optim._base import ScalarOrSchedule, Transform
+from purestep.optim._steps import bump_steps, pack_steps
 
 __all__ = [
     "TEMP_CHUNK_ELEMENTS",
     "Kernel",
     "all_dense",
-    "bump_steps",
     "chunks",
     "foreach_mul_",
     "fused_supported",
@@ -44,7 +44,6 @@ __all__ = [
     "local_shards",
     "lr_at",
     "match_layout",
-    "pack_steps",
     "pick",
     "scalar_state",
     "wrap_like",
@@ -361,85 +360,6 @@ class Kernel(Protocol):
     ) -> None: ...
 
 
-def pack_steps(steps: list[torch.Tensor]) -> list[torch.Tensor]:
-    """``steps`` (0-dim step counts) as views of one new 1-D buffer, when they can share one.
-
-    Per-parameter counts that are views of one buffer are advanced by one
-    ``add_`` (see :func:`bump_steps`) instead of one dispatch per parameter.
-    Counts on several devices or dtypes, DTensors and fake tensors stay as they
-    are (copied only by the caller's own path).
-
-    Example:
-        >>> s = pack_steps([torch.tensor(1.0), torch.tensor(2.0)])
-        >>> s, s[0]._base is s[1]._base
-        ([tensor(1.), tensor(2.)], True)
-    """
-    if not _packable(steps):
-        return steps
-    return list(torch.stack(steps).unbind())
-
-
-def _packable(steps: list[torch.Tensor]) -> bool:
-    if not steps:
-        return False
-    first = steps[0]
-    dev, dtype, plain = first.device, first.dtype, torch.Tensor
-    return all(
-        type(t) is plain and t.device == dev and t.dtype == dtype and not t.dim() for t in steps
-    )
-
-
-def _packed(steps: list[torch.Tensor]) -> torch.Tensor | None:
-    """The 1-D buffer whose elements are exactly ``steps`` (each once), or None."""
-    first = steps[0]
-    base = first._base
-    if (
-        type(first) is not torch.Tensor
-        or base is None
-        or base.dim() != 1
-        or base.numel() != len(steps)
-        or base.stride(0) != 1
-        or base.storage_offset() != 0
-        or base._base is not None
-    ):
-        return None
-    if not all(t._base is base and not t.dim() for t in steps):
-        return None
-    if len({t.storage_offset() for t in steps}) != len(steps):
-        return None  # one element listed twice (another one missing)
-    return base
-
-
-def bump_steps(steps: list[torch.Tensor], *, donate: bool) -> list[torch.Tensor]:
-    """Every per-parameter step count plus one.
-
-    Donated counts that are views of one buffer (:func:`pack_steps`, as
-    ``init`` builds them) are advanced in place by one ``add_`` on the buffer:
-    ``_foreach_add_`` over 150 CPU scalars costs about 300 µs, a dispatch per
-    tensor. Otherwise the new counts are gathered into a new buffer (pure steps,
-    or counts that are no longer views of one buffer: after a checkpoint load,
-    for a subset of the params), so the next donated step takes the fast path;
-    counts that cannot share a buffer (several devices, DTensors, the fake
-    tensors of ``purestep.compile``'s trace) take ``_foreach_add``.
-
-    Example:
-        >>> s = pack_steps([torch.tensor(0.0), torch.tensor(3.0)])
-        >>> bump_steps(s, donate=True) is s, s
-        (True, [tensor(1.), tensor(4.)])
-    """
-    if donate:
-        base = _packed(steps)
-        if base is not None:
-            base.add_(1.0)
-            return steps
-    if _packable(steps):
-        return list(torch.stack(steps).add_(1.0).unbind())
-    if donate:
-        _compat.foreach_add_(steps, 1.0)
-        return steps
-    return list(_compat.foreach_add(steps, 1.0))
-
-
 def step_device(p: torch.Tensor, fused: bool) -> torch.device:
     """Where a parameter's step count lives: with the param for fused kernels, else on CPU."""
     loc = tree.local(p)
@@ -593,19 +513,6 @@ def check_floating(params: TensorDictBase, who: str) -> None:
                 f"{who}: params at {tree.format_path(path)} has dtype {leaf.dtype}; "
                 "only floating-point params are supported"
             )
-
-
-def steps_by_value(steps: list[torch.Tensor]) -> dict[float, list[int]]:
-    """Indices of ``steps`` grouped by their value (host reads: CPU step tensors).
-
-    Example:
-        >>> steps_by_value([torch.tensor(2.0), torch.tensor(1.0), torch.tensor(2.0)])
-        {2.0: [0, 2], 1.0: [1]}
-    """
-    out: dict[float, list[int]] = {}
-    for i, s in enumerate(steps):
-        out.setdefault(float(s), []).append(i)
-    return out
 
 
 GroupFn = Callable[[list[int]], None]

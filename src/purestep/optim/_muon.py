@@ -61,11 +61,11 @@ from purestep.optim._kernels import (
     checked_lr,
     kernel_transform,
     lr_at,
-    pack_steps,
     pick,
     scalar_state,
     step_device,
 )
+from purestep.optim._steps import pack_steps
 
 __all__ = ["MuonHParams", "is_matrix", "muon"]
 
