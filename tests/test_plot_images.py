@@ -71,3 +71,26 @@ def test_bad_images_are_refused_naming_the_shape() -> None:
         plot.image_grid(torch.zeros(2, 3, 3), ncol=0)
     with pytest.raises(ValueError, match=r"torch.float32 \(2, 2\)"):
         plot.write_png(torch.zeros(2, 2), "unused.png")
+
+
+def test_write_png_replaces_a_file_atomically_and_leaves_no_scratch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A write that fails part-way (here: at fsync) leaves the previous image intact and no
+    scratch file behind; a successful write replaces it whole."""
+    import os
+
+    path = tmp_path / "x.png"
+    first = plot.write_png(torch.zeros(2, 2, dtype=torch.uint8), path).read_bytes()
+
+    def broken_fsync(fd: int) -> None:
+        raise OSError(28, "No space left on device")
+
+    with monkeypatch.context() as m:
+        m.setattr(os, "fsync", broken_fsync)
+        with pytest.raises(OSError, match="No space"):
+            plot.write_png(torch.full((3, 3), 255, dtype=torch.uint8), path)
+    assert path.read_bytes() == first
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.png"]
+    second = plot.write_png(torch.full((3, 3), 255, dtype=torch.uint8), path).read_bytes()
+    assert second != first

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import torch
 
+from purestep import _atomic
+
 __all__ = ["image_grid", "write_png"]
 
 
@@ -80,6 +82,8 @@ def write_png(image: torch.Tensor, path: str | os.PathLike[str]) -> Path:
     """Write a ``uint8`` image ``[H, W]`` (grayscale) or ``[H, W, 3]`` (RGB) as a PNG file.
 
     Standard library only (``zlib``); creates the parent directory; returns the path.
+    The file is replaced atomically (a reader, or a crash mid-write, never sees
+    half an image).
 
     Raises:
         ValueError: not a ``uint8`` tensor of those shapes.
@@ -109,5 +113,5 @@ def write_png(image: torch.Tensor, path: str | os.PathLike[str]) -> Path:
     )
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
-    p.write_bytes(data)
+    _atomic.replace_with(p, lambda fh: fh.write(data))
     return p
