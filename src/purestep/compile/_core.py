@@ -31,7 +31,7 @@ from purestep import tree
 from purestep._keys import BUFFERS, EMA, EMA_BUFFERS, PARAMS
 from purestep.compile._kernels import Plan
 from purestep.compile._plan import Layout, Parts
-from purestep.step import recording_modules
+from purestep.step import all_finite, recording_modules
 
 __all__ = ["OutSpec", "Phase", "Skeleton", "core_fn"]
 
@@ -112,19 +112,6 @@ class OutSpec:
     replaced: dict[str, list[tuple[int, tuple[str, ...]]]] = attrs.field(factory=dict)
     buffers: dict[str, Skeleton] = attrs.field(factory=dict)
     written: dict[str, list[int]] = attrs.field(factory=dict)
-
-
-def _finite(metrics: TensorDictBase, norms: Sequence[torch.Tensor]) -> torch.Tensor:
-    """True when every norm and every floating ``loss`` metric is finite (as the eager step)."""
-    checks = [torch.isfinite(n).all() for n in norms]
-    for path, leaf in zip(tree.paths(metrics), tree.leaves(metrics), strict=True):
-        if path[-1] == "loss" and leaf.is_floating_point():
-            checks.append(
-                torch.isfinite(leaf).all().to(checks[0].device if checks else leaf.device)
-            )
-    if not checks:
-        return torch.ones((), dtype=torch.bool)
-    return torch.stack([c.cpu() for c in checks]).all()
 
 
 def _same_paths(a: TensorDictBase, b: TensorDictBase | None) -> bool:
@@ -350,7 +337,7 @@ def core_fn(
             for r, n in norms.items():
                 emit(("norm", r), [n])
             if phase == "grads":
-                emit("finite", [_finite(metrics, list(norms.values()))])
+                emit("finite", [all_finite(metrics, norms)])
                 for r in updated:
                     spec.grads[r] = Skeleton.of(g_td.get(r))
                     emit(("grads", r), grads[r])

@@ -14,7 +14,13 @@ from purestep.step._bound import (
 )
 from purestep.step._call import call, call_scope, recording_modules
 from purestep.step._context import Microbatch, current_microbatch, live_roles
-from purestep.step._counters import add_skip_counters, next_step, set_skip, skip_update
+from purestep.step._counters import (
+    add_skip_counters,
+    all_finite,
+    next_step,
+    set_skip,
+    skip_update,
+)
 from purestep.step._donation import is_donated
 from purestep.step._grad import GradFn, LossFn, value_and_grad
 from purestep.step._swap import module_tensors
@@ -34,6 +40,7 @@ __all__ = [
     "TrainStep",
     "accumulate",
     "add_skip_counters",
+    "all_finite",
     "apply_gradients",
     "as_batch",
     "batch_size",
