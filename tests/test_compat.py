@@ -118,7 +118,11 @@ def test_a_failing_probe_falls_back_with_one_warning_naming_the_internal(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A probe that returns False or raises selects the public path and warns once, by name."""
-    monkeypatch.setattr(_compat, "FALLBACKS", {})
+    # _choose records into the one FALLBACKS dict that _compat re-exports (rebinding the
+    # package attribute would not reach it): seed this test's names under monkeypatch, so
+    # the entries are removed afterwards, and check that _choose overwrote them.
+    for name in ("torch._foreach_gone_", "torch._ok_"):
+        monkeypatch.setitem(_compat.FALLBACKS, name, "")
 
     def boom() -> bool:
         raise AttributeError("module 'torch' has no attribute '_foreach_gone_'")
@@ -136,6 +140,8 @@ def test_a_failing_probe_falls_back_with_one_warning_naming_the_internal(
         warnings.simplefilter("error")
         passing = _compat._choose("torch._ok_", lambda: True, lambda: "fast", "public")
     assert passing == ("public" if _compat.FORCE_PUBLIC else "fast")
+    forced = "forced by PURESTEP_COMPAT=public" if _compat.FORCE_PUBLIC else ""
+    assert _compat.FALLBACKS["torch._ok_"] == forced
 
 
 # op: (internal, public fallback, extra args builder)
