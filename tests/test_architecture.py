@@ -77,6 +77,21 @@ def test_the_private_import_check_finds_a_planted_violation(tmp_path: Path) -> N
     assert _owner("purestep.step._grad") == "purestep.step"
 
 
+def test_only_the_compat_package_imports_its_modules() -> None:
+    """``purestep._compat``'s modules (``_probe``, ``_foreach``, ...) are reached through the
+    package's re-exports (``_compat.foreach_add_``) from everywhere else in ``src``, so the
+    concept split inside it can change without touching a call site, and a test's
+    monkeypatch of ``_compat.X`` is the binding the call sites read."""
+    bad = []
+    for path in sorted(SRC.rglob("*.py")):
+        if _module_name(path).startswith("purestep._compat"):
+            continue
+        for line, target in _private_imports(path):
+            if target.startswith("purestep._compat."):
+                bad.append(f"{path.relative_to(SRC)}:{line} imports {target}")
+    assert not bad, "imports of _compat's modules (use the package's names):\n" + "\n".join(bad)
+
+
 def test_importing_purestep_does_not_import_the_loop_or_checkpoints() -> None:
     """``import purestep`` loads the step layers only; ``purestep.loop`` and
     ``purestep.checkpoint`` (and with them ``torch.distributed.checkpoint``) load on first
