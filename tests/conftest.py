@@ -2,7 +2,14 @@
 
 ``CI=true`` selects the ``ci`` profile (derandomized: the same examples on every
 run, so a CI run is reproducible); elsewhere ``dev`` explores new examples each
-run. Pick one explicitly with ``HYPOTHESIS_PROFILE=dev|ci``.
+run. Under mutmut (which sets ``MUTANT_UNDER_TEST`` in every run it starts) the
+``mutation`` profile is the default: derandomized, so a mutant's verdict does not
+depend on the luck of the draw and reruns agree; no example database, so a
+failure found for one mutant is not replayed against the next; no deadline, so a
+slow example on the loaded machine never counts as a kill; and at most
+``MUTATION_MAX_EXAMPLES`` (default 20) examples for the tests that do not set
+their own ``max_examples`` (see docs/testing.md, "Mutation testing"). Pick one
+explicitly with ``HYPOTHESIS_PROFILE=dev|ci|mutation``.
 
 Tests marked ``cuda`` run whenever ``torch.cuda.is_available()`` and are skipped
 (with the reason) otherwise, so the default ``pytest`` runs them on a GPU machine.
@@ -20,7 +27,18 @@ settings.register_profile(
     "ci", derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow]
 )
 settings.register_profile("dev", suppress_health_check=[HealthCheck.too_slow])
-settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
+settings.register_profile(
+    "mutation",
+    derandomize=True,
+    database=None,
+    deadline=None,
+    max_examples=int(os.environ.get("MUTATION_MAX_EXAMPLES", "20")),
+    suppress_health_check=[HealthCheck.too_slow],
+)
+_DEFAULT_PROFILE = (
+    "mutation" if "MUTANT_UNDER_TEST" in os.environ else ("ci" if os.environ.get("CI") else "dev")
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", _DEFAULT_PROFILE))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
