@@ -584,3 +584,199 @@ def test_every_check_runs_the_steps_prepare_first() -> None:
     testing.assert_resume_exact(step, state, batches, save_at=1)
     testing.assert_cadence(step, state, batches, "m", 1)
     testing.assert_accumulation_invariant(lambda k: step, state, batches, compare="state")
+
+
+# --- pinned by mutation testing (docs/testing.md, "Mutation testing") ------------------------
+
+
+@settings(max_examples=10, deadline=None)
+@given(
+    what=st.text(st.sampled_from("abcxyz _"), min_size=1, max_size=12).map(str.strip).filter(bool),
+    rtol=st.sampled_from([None, 0.0, 1e-6]),
+)
+def test_tree_comparisons_name_what_was_compared_and_the_tolerances(
+    what: str, rtol: float | None
+) -> None:
+    """Every comparison message starts with the caller's ``what``; assert_trees_close's also
+    states the tolerances it used (``rtol``, ``atol``), on a value and a structure mismatch."""
+    atol = None if rtol is None else 0.0
+    a = TensorDict({"w": torch.zeros(2)}, [])
+    differ = TensorDict({"w": torch.ones(2)}, [])
+    other = TensorDict({"v": torch.zeros(2)}, [])
+    with pytest.raises(AssertionError) as info:
+        testing.assert_trees_close(differ, a, rtol=rtol, atol=atol, what=what)
+    first = str(info.value).splitlines()[0]
+    assert first.startswith(f"{what}: first difference at w")
+    assert first.endswith(f" (rtol={rtol}, atol={atol})")
+    for check in (testing.assert_trees_equal, testing.assert_trees_close):
+        with pytest.raises(AssertionError) as info:
+            check(other, a, what=what)
+        assert str(info.value).startswith(
+            f"{what}: key structure differs; only in expected: ['w']; only in actual: ['v']"
+        )
+
+
+@settings(max_examples=12, deadline=None)
+@given(how=st.sampled_from(["add", "remove", "write", "retype"]), direct=st.booleans())
+def test_assert_pure_names_the_module_and_the_tensor_a_step_added_removed_or_changed(
+    how: str, direct: bool
+) -> None:
+    """A step that registers a new buffer on a module it runs (or one in ``modules=``),
+    deletes one, writes into one or swaps in one of another dtype fails with the message
+    naming the module's class and the tensors (the whole message is pinned: it is the
+    kit's advice to the user)."""
+    net, _, _, state = _setup()
+    net[0].register_buffer("kept", torch.zeros(1))
+    net[2].register_buffer("scale", torch.ones(1))
+
+    def bad(s: TensorDictBase, b: Any) -> tuple[TensorDictBase, TensorDictBase]:
+        if not direct:
+            ps.call(net, s["params", "m"], b["x"])
+        if how == "add":
+            net[2].register_buffer("extra", torch.zeros(1))
+        elif how == "remove":
+            del net[2].scale
+        elif how == "write":
+            net[2].scale.add_(1)
+        else:
+            net[2].scale = torch.ones(1, dtype=torch.float64)
+        return s.clone(), TensorDict({}, [])
+
+    if how in ("add", "remove"):
+        added, removed = (["2.extra"], []) if how == "add" else ([], ["2.scale"])
+        expected = (
+            f"the step changed module Sequential's own parameters/buffers: added {added}, "
+            f"removed {removed}"
+        )
+    else:
+        expected = (
+            "the step changed module Sequential's own tensor '2.scale'; a pure step leaves "
+            "modules as they are (buffers a forward updates, such as BatchNorm statistics, "
+            "belong in the state: init_state keeps them in state['buffers', role] and call "
+            "swaps them in)"
+        )
+    with pytest.raises(AssertionError) as info:
+        testing.assert_pure(bad, state, _batch(0), modules=[net, _net(1)] if direct else [])
+    assert str(info.value) == expected
+
+
+def _message(check: Callable[[], Any]) -> list[str]:
+    with pytest.raises(AssertionError) as info:
+        check()
+    return str(info.value).splitlines()
+
+
+class _PlainStep:
+    """A step over ``{"a", "b"}`` that writes into its input, holds a counter or draws from
+    torch's global RNG on one call, as ``how`` says; ``donate`` is its donation attribute."""
+
+    def __init__(self, how: str, donate: bool | None = None, draw_at: int = -1) -> None:
+        self.how, self.calls, self.draw_at = how, 0, draw_at
+        if donate is not None:
+            self.donate = donate
+
+    def __call__(self, s: TensorDictBase, b: Any) -> tuple[TensorDictBase, TensorDictBase]:
+        n, self.calls = self.calls, self.calls + 1
+        bump = 0.0
+        if n == self.draw_at:
+            torch.rand(1)
+            bump = 1.0
+        if self.how == "state":
+            s["a"].add_(1)
+            s["b"].add_(1)
+        if self.how == "batch":
+            b["x"].add_(1)
+        hidden = float(n) if self.how == "hidden" else (0.0 if self.how == "drawn metric" else bump)
+        out = s.apply(lambda t: t + hidden)
+        metric = (
+            float(n) if self.how == "metrics" else (bump if self.how == "drawn metric" else 0.0)
+        )
+        return out, TensorDict({"n": torch.tensor(metric)}, [])
+
+
+_DONATED_HINT = (
+    ". The step donates its input (donate=True): a donated step reuses the input state's "
+    "buffers by design, so it is not pure; check its donate=False build with assert_pure, "
+    "and that both agree with assert_donation_safe"
+)
+_MAYBE_DONATED_HINT = (
+    ". If the step donates its input (built with donate=True), that is by design: check its "
+    "donate=False build with assert_pure"
+)
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    how=st.sampled_from(["state", "batch", "hidden", "metrics"]),
+    donate=st.sampled_from([None, True, False]),
+)
+def test_assert_pure_messages_say_what_differs_then_list_every_leaf(
+    how: str, donate: bool | None
+) -> None:
+    """assert_pure's first line says what differs (the input state, with the donation hint
+    the step's ``donate`` attribute calls for; the batch; a second call's state or metrics)
+    and where first; the leaves follow, one a line."""
+    state = TensorDict({"a": torch.zeros(2), "b": torch.zeros(2)}, [])
+    batch = TensorDict({"x": torch.zeros(2)}, [])
+    lines = _message(lambda: testing.assert_pure(_PlainStep(how, donate), state, batch))
+    detail = " (not bitwise equal): max abs diff 1, max rel diff 1e+30"
+    if how == "state":
+        hint = {None: _MAYBE_DONATED_HINT, True: _DONATED_HINT, False: ""}[donate]
+        assert (
+            lines[0]
+            == f"input state after step (step mutated it): first difference at a{detail}{hint}"
+        )
+        assert lines[1:] == ["2 leaves differ:", f"  a{detail}", f"  b{detail}"]
+    elif how == "batch":
+        assert lines == [f"input batch after step (step mutated it): first difference at x{detail}"]
+    elif how == "hidden":
+        assert (
+            lines[0]
+            == f"second call on the same inputs (hidden state?): first difference at a{detail}"
+        )
+    else:
+        assert lines == [
+            f"metrics of a second call on the same inputs: first difference at n{detail}"
+        ]
+
+
+@settings(max_examples=12, deadline=None)
+@given(n=st.integers(1, 3), runs=st.integers(1, 3), single=st.booleans())
+def test_assert_deterministic_runs_the_step_runs_times_over_every_batch(
+    n: int, runs: int, single: bool
+) -> None:
+    """assert_deterministic calls the step ``runs`` times (default 2) per batch; a single batch
+    (not in a list) is one batch, for it and for assert_donation_safe."""
+    state = TensorDict({"a": torch.zeros(2), "b": torch.zeros(2)}, [])
+    batches: Any = {"x": torch.zeros(2)} if single else [{"x": torch.zeros(2)}] * n
+    count = 1 if single else n
+    step = _PlainStep("none")
+    testing.assert_deterministic(step, state, batches, runs=runs)
+    assert step.calls == runs * count
+    step = _PlainStep("none")
+    testing.assert_deterministic(step, state, batches)
+    assert step.calls == 2 * count
+    step = _PlainStep("none")
+    testing.assert_donation_safe(lambda d: step, state, batches)
+    assert step.calls == 2 * count
+
+
+@settings(max_examples=12, deadline=None)
+@given(draw_at=st.integers(0, 5), metrics=st.booleans())
+def test_assert_deterministic_names_the_run_and_step_that_drew_and_that_differ(
+    draw_at: int, metrics: bool
+) -> None:
+    """Over 2 batches and 3 runs, a step that draws from the global RNG (and so differs) on
+    one call: the message names the first run that differs from run 1 (its state, or its
+    metrics when only they differ) and, as the likely cause, the step and run that drew."""
+    state = TensorDict({"a": torch.zeros(2), "b": torch.zeros(2)}, [])
+    batches = [{"x": torch.zeros(2)}] * 2
+    step = _PlainStep("drawn metric" if metrics else "none", draw_at=draw_at)
+    lines = _message(lambda: testing.assert_deterministic(step, state, batches, runs=3))
+    bad_run = max(2, draw_at // 2 + 1)
+    where = f"step {draw_at % 2} of run {draw_at // 2 + 1} (the cpu generator)"
+    head = f"state of run {bad_run} vs run 1: first difference at a"
+    if metrics:
+        head = f"metrics of step {draw_at % 2} in run {bad_run} vs run 1: first difference at n"
+    assert lines[0].startswith(head), lines[0]
+    assert f"(its state changed during {where}), so repeated calls differ" in lines[0]
