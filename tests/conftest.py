@@ -8,7 +8,8 @@ depend on the luck of the draw and reruns agree; no example database, so a
 failure found for one mutant is not replayed against the next; no deadline, so a
 slow example on the loaded machine never counts as a kill; and at most
 ``MUTATION_MAX_EXAMPLES`` (default 20) examples for the tests that do not set
-their own ``max_examples`` (see docs/testing.md, "Mutation testing"). Pick one
+their own ``max_examples``; torch then runs one intra-op thread per test process
+(see docs/testing.md, "Mutation testing"). Pick one
 explicitly with ``HYPOTHESIS_PROFILE=dev|ci|mutation``.
 
 Tests marked ``cuda`` run whenever ``torch.cuda.is_available()`` and are skipped
@@ -39,6 +40,11 @@ _DEFAULT_PROFILE = (
     "mutation" if "MUTANT_UNDER_TEST" in os.environ else ("ci" if os.environ.get("CI") else "dev")
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", _DEFAULT_PROFILE))
+if "MUTANT_UNDER_TEST" in os.environ:
+    # mutmut runs --max-children test processes side by side, one per core: one intra-op
+    # thread each by default (several would spin against each other, and count against the
+    # CPU-time limit that mutmut reports as a "timeout"); MUTATION_THREADS=n to change it.
+    torch.set_num_threads(int(os.environ.get("MUTATION_THREADS", "1")))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

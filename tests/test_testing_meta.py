@@ -780,3 +780,49 @@ def test_assert_deterministic_names_the_run_and_step_that_drew_and_that_differ(
         head = f"metrics of step {draw_at % 2} in run {bad_run} vs run 1: first difference at n"
     assert lines[0].startswith(head), lines[0]
     assert f"(its state changed during {where}), so repeated calls differ" in lines[0]
+
+
+def _counter_step(update_every: int) -> StepFn:
+    """A step that bumps ``params.m.w`` on steps that are multiples of ``update_every``
+    (0: never) and counts ``step``."""
+
+    def step(s: TensorDictBase, b: Any) -> tuple[TensorDictBase, TensorDictBase]:
+        out = s.clone()
+        n = int(s["step"])
+        if update_every and n % update_every == 0:
+            out["params", "m", "w"] = s["params", "m", "w"] + 1
+        out["step"] = s["step"] + 1
+        return out, TensorDict({}, [])
+
+    return step
+
+
+def _counter_state() -> TensorDict:
+    return TensorDict(
+        {"params": {"m": {"w": torch.zeros(2)}}, "step": torch.zeros((), dtype=torch.int64)}, []
+    )
+
+
+@settings(max_examples=10, deadline=None)
+@given(every=st.integers(2, 4), start=st.integers(0, 3))
+def test_assert_cadence_messages_name_the_role_the_step_and_every(every: int, start: int) -> None:
+    """assert_cadence's messages are pinned: a role that never updates is named at the first
+    update step, one updating on every step at the first step off the cadence, and an
+    ``every`` below 1 is refused naming it."""
+    state = _counter_state()
+    state["step"] = torch.tensor(start)
+    batches = [{"x": torch.zeros(1)}] * 5
+    lines = _message(lambda: testing.assert_cadence(_counter_step(0), state, batches, "m", every))
+    first_update = start + (-start) % every
+    assert lines == [
+        f"cadence: role 'm' should update at step {first_update} (every={every}) but its "
+        "params did not change"
+    ]
+    lines = _message(lambda: testing.assert_cadence(_counter_step(1), state, batches, "m", every))
+    off = start if start % every else start + 1
+    assert lines[0].startswith(
+        f"cadence: role 'm' changed at step {off}, which is not a multiple of every={every}: "
+        f"role 'm' at step {off}: first difference at params.w (not bitwise equal)"
+    ), lines[0]
+    with pytest.raises(ValueError, match=r"^every must be >= 1, got 0$"):
+        testing.assert_cadence(_counter_step(1), state, batches, "m", 0)
