@@ -6,7 +6,9 @@ run. Under mutmut (which sets ``MUTANT_UNDER_TEST`` in every run it starts) the
 ``mutation`` profile is the default: derandomized, so a mutant's verdict does not
 depend on the luck of the draw and reruns agree; no example database, so a
 failure found for one mutant is not replayed against the next; no deadline, so a
-slow example on the loaded machine never counts as a kill; and at most
+slow example on the loaded machine never counts as a kill; no shrinking (the
+first failing example kills the mutant; shrinking it only burns the CPU-time limit
+mutmut reports as a timeout); and at most
 ``MUTATION_MAX_EXAMPLES`` (default 20) examples for the tests that do not set
 their own ``max_examples``; torch then runs one intra-op thread per test process
 (see docs/testing.md, "Mutation testing"). Pick one
@@ -22,7 +24,7 @@ import os
 
 import pytest
 import torch
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, settings
 
 settings.register_profile(
     "ci", derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow]
@@ -34,6 +36,9 @@ settings.register_profile(
     database=None,
     deadline=None,
     max_examples=int(os.environ.get("MUTATION_MAX_EXAMPLES", "20")),
+    # a mutant is killed by the first failing example: no shrinking, no search for more
+    phases=[Phase.explicit, Phase.reuse, Phase.generate],
+    report_multiple_bugs=False,
     suppress_health_check=[HealthCheck.too_slow],
 )
 _DEFAULT_PROFILE = (

@@ -10,6 +10,7 @@ donated step's impurity names donation as the cause.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Callable
 from typing import Any
@@ -18,7 +19,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tensordict import TensorDict, TensorDictBase
+from tensordict import NonTensorData, TensorDict, TensorDictBase
 from torch import nn
 
 import purestep as ps
@@ -826,3 +827,18 @@ def test_assert_cadence_messages_name_the_role_the_step_and_every(every: int, st
     ), lines[0]
     with pytest.raises(ValueError, match=r"^every must be >= 1, got 0$"):
         testing.assert_cadence(_counter_step(1), state, batches, "m", 0)
+
+
+@dataclasses.dataclass
+class _RunConfig:
+    """A user's non-tensor state entry (torch.load's weights_only unpickler refuses it)."""
+
+    name: str = "run"
+
+
+def test_assert_resume_exact_default_round_trip_keeps_a_non_tensor_entry() -> None:
+    """The default save/load (torch.save / torch.load) round-trips a state holding a user's
+    picklable non-tensor value (a NonTensorData of a dataclass): the load is not weights-only."""
+    state = _counter_state()
+    state["config"] = NonTensorData(_RunConfig())
+    testing.assert_resume_exact(_counter_step(1), state, [{"x": torch.zeros(1)}] * 3, save_at=1)
