@@ -11,6 +11,7 @@ donated step's impurity names donation as the cause.
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from collections.abc import Callable
 from typing import Any
@@ -842,3 +843,134 @@ def test_assert_resume_exact_default_round_trip_keeps_a_non_tensor_entry() -> No
     state = _counter_state()
     state["config"] = NonTensorData(_RunConfig())
     testing.assert_resume_exact(_counter_step(1), state, [{"x": torch.zeros(1)}] * 3, save_at=1)
+
+
+@settings(max_examples=12, deadline=None)
+@given(n=st.integers(1, 3), save_at=st.integers(-1, 4))
+def test_assert_resume_exact_accepts_save_at_from_0_to_the_batch_count_only(
+    n: int, save_at: int
+) -> None:
+    """save_at may be 0 (save before the first step) up to len(batches) (after the last);
+    anything else is refused naming the value and the range."""
+    batches = [{"x": torch.zeros(1)}] * n
+    if 0 <= save_at <= n:
+        testing.assert_resume_exact(_counter_step(1), _counter_state(), batches, save_at)
+    else:
+        with pytest.raises(ValueError, match=rf"^save_at={save_at} is outside \[0, {n}\]$"):
+            testing.assert_resume_exact(_counter_step(1), _counter_state(), batches, save_at)
+
+
+def test_assert_resume_exact_gives_save_fn_a_fresh_target_and_load_fn_the_saved_structure(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """save_fn gets a path that does not exist yet, in an empty private directory that is
+    removed afterwards (nothing is written to the working directory); load_fn gets the same
+    path and ``like=`` the state that was saved."""
+    monkeypatch.chdir(tmp_path)
+    seen: dict[str, Any] = {}
+
+    def save(s: TensorDictBase, path: str) -> None:
+        assert not os.path.exists(path)
+        assert os.listdir(os.path.dirname(path)) == []
+        seen["path"], seen["saved"] = path, s.clone()
+
+    def load(path: str, like: TensorDictBase) -> TensorDictBase:
+        assert path == seen["path"]
+        testing.assert_trees_equal(like, seen["saved"])
+        return seen["saved"].clone()
+
+    batches = [{"x": torch.zeros(1)}] * 3
+    testing.assert_resume_exact(
+        _counter_step(1), _counter_state(), batches, 2, save_fn=save, load_fn=load
+    )
+    assert int(seen["saved"]["step"]) == 2
+    assert not os.path.exists(os.path.dirname(seen["path"]))
+    assert os.listdir(tmp_path) == []
+
+
+@settings(max_examples=10, deadline=None)
+@given(lossy=st.sets(st.sampled_from(["v", "w"])))
+def test_assert_resume_exact_lists_every_leaf_the_load_changed(lossy: set[str]) -> None:
+    """A lossy load_fn: the message lists every leaf it changed, in leaf order; an exact
+    load_fn behind a step that keeps state outside the state adds nothing about the load
+    (its call counter adds 1, 2 in the uninterrupted run, 3 before the save and 4 after:
+    w is 3 + 4 = 7 resumed against 1 + 2 = 3)."""
+    state = _counter_state()
+    state["params", "m", "v"] = torch.zeros(2)
+    saved: dict[str, TensorDict] = {}
+    calls = [0]
+
+    def save(s: TensorDictBase, path: str) -> None:
+        saved[path] = s.clone()
+
+    def load(path: str, like: TensorDictBase) -> TensorDictBase:
+        out = saved[path].clone()
+        for leaf in lossy:
+            out["params", "m", leaf] += 1
+        return out
+
+    def hidden(s: TensorDictBase, b: Any) -> tuple[TensorDictBase, TensorDictBase]:
+        calls[0] += 1
+        out = s.clone()
+        out["params", "m", "w"] = s["params", "m", "w"] + calls[0]
+        out["step"] = s["step"] + 1
+        return out, TensorDict({}, [])
+
+    batches = [{"x": torch.zeros(1)}] * 2
+    lines = _message(
+        lambda: testing.assert_resume_exact(
+            hidden if not lossy else _counter_step(1), state, batches, 1, save_fn=save, load_fn=load
+        )
+    )
+    head = "state resumed after step 1 vs uninterrupted: first difference at params.m."
+    assert lines[0].startswith(head)
+    if lossy:
+        listed = ", ".join(f"params.m.{leaf}" for leaf in ["w", "v"] if leaf in lossy)
+        assert lines[0].endswith(
+            f". The state returned by load_fn differs from the saved one at {listed}: the "
+            "save/load round trip is lossy"
+        ), lines[0]
+    else:
+        assert lines[0].endswith("max abs diff 4, max rel diff 1.33"), lines[0]
+
+
+@settings(max_examples=12, deadline=None)
+@given(save_at=st.integers(1, 2), draw_at=st.integers(0, 5))
+def test_assert_resume_exact_names_the_run_and_step_that_drew(save_at: int, draw_at: int) -> None:
+    """A step that draws from the global RNG (and so differs) on one call: the message names
+    that call as the uninterrupted run's, the pre-save run's or the resumed run's step, with
+    the resumed run's steps counted from the save."""
+    state = TensorDict({"a": torch.zeros(2), "b": torch.zeros(2)}, [])
+    batches = [{"x": torch.zeros(2)}] * 3
+    if draw_at < 3:
+        where = f"step {draw_at} of the uninterrupted run"
+    elif draw_at < 3 + save_at:
+        where = f"step {draw_at - 3} of the run before the save"
+    else:
+        where = f"step {draw_at - 3} of the resumed run"
+    lines = _message(
+        lambda: testing.assert_resume_exact(
+            _PlainStep("none", draw_at=draw_at), state, batches, save_at
+        )
+    )
+    assert f"(its state changed during {where} (the cpu generator)), so" in lines[0]
+
+
+def test_assert_cadence_checks_the_roles_optimizer_state_too() -> None:
+    """A role whose optimizer state changes off its cadence (its params do not) is named with
+    the opt_state leaf; roles without optimizer state are checked on params alone."""
+
+    def step(s: TensorDictBase, b: Any) -> tuple[TensorDictBase, TensorDictBase]:
+        out, m = _counter_step(2)(s, b)
+        out["opt_state", "m", "count"] = s["opt_state", "m", "count"] + 1
+        return out, m
+
+    state = _counter_state()
+    state["opt_state", "m", "count"] = torch.zeros(())
+    batches = [{"x": torch.zeros(1)}] * 3
+    lines = _message(lambda: testing.assert_cadence(step, state, batches, "m", 2))
+    assert lines[0].startswith(
+        "cadence: role 'm' changed at step 1, which is not a multiple of every=2: role 'm' at "
+        "step 1: first difference at opt_state.count (not bitwise equal)"
+    ), lines[0]
+    testing.assert_cadence(_counter_step(2), _counter_state(), batches, "m", 2)
