@@ -974,3 +974,62 @@ def test_assert_cadence_checks_the_roles_optimizer_state_too() -> None:
         "step 1: first difference at opt_state.count (not bitwise equal)"
     ), lines[0]
     testing.assert_cadence(_counter_step(2), _counter_state(), batches, "m", 2)
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    delta=st.sampled_from([1e-6, 1e-3]),
+    rtol=st.sampled_from([0.0, 1e-4]),
+    atol=st.sampled_from([0.0, 1e-4]),
+)
+def test_assert_donation_safe_compares_within_the_given_tolerances(
+    delta: float, rtol: float, atol: float
+) -> None:
+    """With rtol = atol = 0 the two builds must agree bitwise; with either tolerance given
+    they must agree within it (w is 1, so both tolerances accept a difference of 1e-6 and
+    reject 1e-3), and the message names the state and states the tolerances."""
+    state = _counter_state()
+    state["params", "m", "w"] = torch.ones(2)
+
+    def make(donate: bool) -> StepFn:
+        def step(s: TensorDictBase, b: Any) -> tuple[TensorDictBase, TensorDictBase]:
+            out, m = _counter_step(1)(s, b)
+            out["params", "m", "w"] = out["params", "m", "w"] + (delta if donate else 0.0)
+            return out, m
+
+        return step
+
+    batches = [{"x": torch.zeros(1)}]
+    head = "state with donate=True vs donate=False: first difference at params.m.w"
+    if rtol == 0.0 and atol == 0.0:
+        lines = _message(lambda: testing.assert_donation_safe(make, state, batches))
+        assert lines[0].startswith(f"{head} (not bitwise equal): max abs diff"), lines[0]
+    elif delta < 1e-4:
+        testing.assert_donation_safe(make, state, batches, rtol=rtol, atol=atol)
+    else:
+        lines = _message(
+            lambda: testing.assert_donation_safe(make, state, batches, rtol=rtol, atol=atol)
+        )
+        assert lines[0].startswith(f"{head}: max abs diff"), lines[0]
+        assert lines[0].endswith(f" (rtol={rtol}, atol={atol})"), lines[0]
+
+
+def test_assert_donation_safe_names_the_build_that_drew_and_an_input_the_plain_build_wrote() -> (
+    None
+):
+    """Only the donate=True build draws from the global RNG: the hint names its step; a
+    donate=False build that writes into its input is named with the leaf."""
+    state = TensorDict({"a": torch.zeros(2), "b": torch.zeros(2)}, [])
+    batches = [{"x": torch.zeros(2)}] * 2
+    plain, drawing = _PlainStep("none"), _PlainStep("none", draw_at=1)
+    lines = _message(
+        lambda: testing.assert_donation_safe(lambda d: drawing if d else plain, state, batches)
+    )
+    assert (
+        "(its state changed during step 1 of the donate=True run (the cpu generator))" in (lines[0])
+    )
+    writer = _PlainStep("state")
+    lines = _message(lambda: testing.assert_donation_safe(lambda d: writer, state, batches))
+    assert lines[0].startswith(
+        "input state of the donate=False run: first difference at a (not bitwise equal)"
+    ), lines[0]
