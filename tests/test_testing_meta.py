@@ -1033,3 +1033,48 @@ def test_assert_donation_safe_names_the_build_that_drew_and_an_input_the_plain_b
     assert lines[0].startswith(
         "input state of the donate=False run: first difference at a (not bitwise equal)"
     ), lines[0]
+
+
+@pytest.mark.parametrize("noise", [0.0, 2e-6, 2e-5])
+@pytest.mark.parametrize("gain", [0.25, 10.0])
+def test_accumulation_invariance_allows_atol_times_the_largest_gradient_and_says_so(
+    noise: float, gain: float
+) -> None:
+    """By gradients, a leaf may differ by ``atol * G`` (G: the role's largest reference
+    gradient): noise on a zero-gradient leaf of up to that passes, more fails, with the
+    message naming step, k, role and leaf and stating rtol, atol and G."""
+    opts = {"m": optim.sgd(0.1)}
+    params = TensorDict({"w": torch.zeros(3), "z": torch.zeros(2)}, [])
+    state = TensorDict(
+        {
+            "params": {"m": params},
+            "opt_state": {"m": opts["m"].init(params)},
+            "step": torch.zeros((), dtype=torch.int64),
+            "rng": torch.zeros((), dtype=torch.int64),
+        },
+        [],
+    )
+    target = torch.tensor([1.0, -2.0, 0.5]) * gain
+
+    def make(k: int) -> StepFn:
+        def grad_fn(params: Any, batch: Any, key: Any, **kw: Any) -> Any:
+            g = TensorDict({"w": -target.clone(), "z": torch.full((2,), noise * (k - 1))}, [])
+            return TensorDict({"m": g}, []), TensorDict({}, [])
+
+        return ps.train_step(grad_fn, opts)
+
+    G = 2.0 * gain  # the largest |gradient| of role m
+    run = lambda: testing.assert_accumulation_invariant(  # noqa: E731
+        make, state, [{"x": torch.zeros(1)}], ks=(1, 2)
+    )
+    if noise * 1.0 <= 1e-5 * G:
+        run()
+        return
+    lines = _message(run)
+    assert re.fullmatch(
+        r"accumulation invariance: gradients at step 0 with k=2 vs k=1: role 'm': first "
+        rf"difference at m\.z: max abs diff {noise:.3g}, max rel diff .+ \(allowed \|a - b\| <= "
+        r"atol \* G \+ rtol \* \|b\| with rtol=1e-05, atol=1e-05, "
+        rf"G={G:.3g} the largest reference gradient of role 'm'\)",
+        lines[0],
+    ), lines[0]
