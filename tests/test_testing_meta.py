@@ -1078,3 +1078,38 @@ def test_accumulation_invariance_allows_atol_times_the_largest_gradient_and_says
         rf"G={G:.3g} the largest reference gradient of role 'm'\)",
         lines[0],
     ), lines[0]
+
+
+def test_accumulation_invariance_names_gradients_whose_keys_depend_on_k() -> None:
+    """A k whose gradients lack a leaf the reference has (a parameter that got no
+    gradient): the message names step, k, role and the missing key path."""
+    opts = {"m": optim.sgd(0.1)}
+    params = TensorDict({"w": torch.zeros(3), "z": torch.zeros(2)}, [])
+    state = TensorDict(
+        {
+            "params": {"m": params},
+            "opt_state": {"m": opts["m"].init(params)},
+            "step": torch.zeros((), dtype=torch.int64),
+            "rng": torch.zeros((), dtype=torch.int64),
+        },
+        [],
+    )
+
+    def make(k: int) -> StepFn:
+        def grad_fn(params: Any, batch: Any, key: Any, **kw: Any) -> Any:
+            g = TensorDict({"w": torch.ones(3)}, [])
+            if k == 1:
+                g["z"] = torch.ones(2)
+            return TensorDict({"m": g}, []), TensorDict({}, [])
+
+        return ps.train_step(grad_fn, opts)
+
+    lines = _message(
+        lambda: testing.assert_accumulation_invariant(
+            make, state, [{"x": torch.zeros(1)}], ks=(1, 2), check_metrics=False
+        )
+    )
+    assert lines == [
+        "accumulation invariance: gradients at step 0 with k=2 vs k=1: role 'm': key "
+        "structure differs; only in expected: ['m.z']; only in actual: -"
+    ]
