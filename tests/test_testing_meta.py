@@ -1113,3 +1113,53 @@ def test_accumulation_invariance_names_gradients_whose_keys_depend_on_k() -> Non
         "accumulation invariance: gradients at step 0 with k=2 vs k=1: role 'm': key "
         "structure differs; only in expected: ['m.z']; only in actual: -"
     ]
+
+
+@settings(max_examples=8, deadline=None)
+@given(bad=st.sets(st.sampled_from(["a", "b"]), min_size=1), dtype=st.booleans())
+def test_assert_trees_close_equates_nans_and_names_every_shape_or_dtype_mismatch(
+    bad: set[str], dtype: bool
+) -> None:
+    """NaN equals NaN in assert_trees_close; leaves whose shape (or dtype) differ are each
+    named with both, after the first."""
+    nan = torch.tensor([float("nan"), 1.0])
+    testing.assert_trees_close({"a": nan, "b": nan.clone()}, {"a": nan.clone(), "b": nan})
+    other = torch.zeros(2, dtype=torch.float64) if dtype else torch.zeros(3)
+    actual = {n: other.clone() if n in bad else torch.zeros(2) for n in ("a", "b")}
+    lines = _message(
+        lambda: testing.assert_trees_close(actual, {"a": torch.zeros(2), "b": torch.zeros(2)})
+    )
+    shown = "torch.float64(2,)" if dtype else "torch.float32(3,)"
+    detail = f": actual {shown} vs expected torch.float32(2,)"
+    order = [n for n in ("a", "b") if n in bad]
+    assert lines[0] == f"trees: first difference at {order[0]}{detail} (rtol=None, atol=None)"
+    if len(order) > 1:
+        assert lines[1:] == ["2 leaves differ:", *(f"  {n}{detail}" for n in order)]
+
+
+def test_assert_resume_exact_names_a_load_that_adds_a_key_exactly() -> None:
+    """The key-structure hint of a load_fn that returns an extra key is pinned."""
+    saved: dict[str, TensorDict] = {}
+
+    def save(s: TensorDictBase, path: str) -> None:
+        saved[path] = s.clone()
+
+    def load(path: str, like: TensorDictBase) -> TensorDictBase:
+        out = saved[path].clone()
+        out["extra"] = torch.zeros(())
+        return out
+
+    lines = _message(
+        lambda: testing.assert_resume_exact(
+            _counter_step(1),
+            _counter_state(),
+            [{"x": torch.zeros(1)}] * 2,
+            1,
+            save_fn=save,
+            load_fn=load,
+        )
+    )
+    assert lines[0].endswith(
+        ". The state returned by load_fn is not the saved one: trees: key structure differs; "
+        "only in expected: -; only in actual: ['extra']"
+    ), lines[0]
