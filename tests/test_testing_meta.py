@@ -1121,20 +1121,23 @@ def test_assert_trees_close_equates_nans_and_names_every_shape_or_dtype_mismatch
     bad: set[str], dtype: bool
 ) -> None:
     """NaN equals NaN in assert_trees_close; leaves whose shape (or dtype) differ are each
-    named with both, after the first."""
+    named with both, after the first, by assert_trees_close and assert_trees_equal."""
     nan = torch.tensor([float("nan"), 1.0])
     testing.assert_trees_close({"a": nan, "b": nan.clone()}, {"a": nan.clone(), "b": nan})
     other = torch.zeros(2, dtype=torch.float64) if dtype else torch.zeros(3)
     actual = {n: other.clone() if n in bad else torch.zeros(2) for n in ("a", "b")}
-    lines = _message(
-        lambda: testing.assert_trees_close(actual, {"a": torch.zeros(2), "b": torch.zeros(2)})
-    )
     shown = "torch.float64(2,)" if dtype else "torch.float32(3,)"
     detail = f": actual {shown} vs expected torch.float32(2,)"
     order = [n for n in ("a", "b") if n in bad]
-    assert lines[0] == f"trees: first difference at {order[0]}{detail} (rtol=None, atol=None)"
-    if len(order) > 1:
-        assert lines[1:] == ["2 leaves differ:", *(f"  {n}{detail}" for n in order)]
+    expected = {"a": torch.zeros(2), "b": torch.zeros(2)}
+    for check, suffix in (
+        (testing.assert_trees_close, " (rtol=None, atol=None)"),
+        (testing.assert_trees_equal, ""),
+    ):
+        lines = _message(lambda: check(actual, expected))  # noqa: B023
+        assert lines[0] == f"trees: first difference at {order[0]}{detail}{suffix}"
+        if len(order) > 1:
+            assert lines[1:] == ["2 leaves differ:", *(f"  {n}{detail}" for n in order)]
 
 
 def test_assert_resume_exact_names_a_load_that_adds_a_key_exactly() -> None:
