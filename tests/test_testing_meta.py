@@ -1166,3 +1166,24 @@ def test_assert_resume_exact_names_a_load_that_adds_a_key_exactly() -> None:
         ". The state returned by load_fn is not the saved one: trees: key structure differs; "
         "only in expected: -; only in actual: ['extra']"
     ), lines[0]
+
+
+@pytest.mark.parametrize(
+    ("actual", "expected", "diffs"),
+    [
+        (
+            torch.tensor([1], dtype=torch.uint8),
+            torch.tensor([3], dtype=torch.uint8),
+            "2, max rel diff 0.667",
+        ),
+        (torch.tensor([5]), torch.tensor([-3]), "8, max rel diff 2.67"),
+        (torch.tensor([float("inf")]), torch.tensor([1.0]), "nan, max rel diff nan"),
+    ],
+)
+def test_tree_comparisons_report_integer_and_non_finite_differences_exactly(
+    actual: torch.Tensor, expected: torch.Tensor, diffs: str
+) -> None:
+    """The max abs/rel difference is computed in float64 (an unsigned difference does not
+    wrap around) and is NaN when no element's difference is finite."""
+    lines = _message(lambda: testing.assert_trees_equal({"t": actual}, {"t": expected}))
+    assert lines == [f"trees: first difference at t (not bitwise equal): max abs diff {diffs}"]
