@@ -1187,3 +1187,28 @@ def test_tree_comparisons_report_integer_and_non_finite_differences_exactly(
     wrap around) and is NaN when no element's difference is finite."""
     lines = _message(lambda: testing.assert_trees_equal({"t": actual}, {"t": expected}))
     assert lines == [f"trees: first difference at t (not bitwise equal): max abs diff {diffs}"]
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    big=st.floats(min_value=1.0, max_value=1e6),
+    order=st.permutations(range(5)),
+)
+def test_gradient_scale_is_the_largest_finite_float_entry_over_every_leaf(
+    big: float, order: list[int]
+) -> None:
+    """The scale G that accumulation invariance multiplies ``atol`` by is the largest finite
+    ``|g|`` over all floating leaves, in any leaf order: empty leaves and integer leaves are
+    skipped (not the end of the scan), one-element leaves count, NaN and inf are ignored."""
+    from purestep.testing._accumulation import _scale
+
+    leaves = [
+        torch.zeros(0),  # empty: skipped
+        torch.tensor([10 * int(big) + 7]),  # integer: never a gradient scale
+        torch.tensor([-big]),  # one element: the largest finite |g|
+        torch.tensor([float("nan"), float("inf"), big / 2]),  # non-finite entries ignored
+        torch.tensor([[big / 4, -big / 3]], dtype=torch.float64),
+    ]
+    grads = TensorDict({f"l{i}": leaves[j] for i, j in enumerate(order)}, [])
+    assert _scale(grads) == pytest.approx(big, rel=1e-6)
+    assert _scale(TensorDict({}, [])) == 0.0
