@@ -16,6 +16,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+import attrs
 import pytest
 import torch
 from hypothesis import given, settings
@@ -1212,3 +1213,80 @@ def test_gradient_scale_is_the_largest_finite_float_entry_over_every_leaf(
     grads = TensorDict({f"l{i}": leaves[j] for i, j in enumerate(order)}, [])
     assert _scale(grads) == pytest.approx(big, rel=1e-6)
     assert _scale(TensorDict({}, [])) == 0.0
+
+
+def _sgd_state(opts: dict[str, Any], params: dict[str, TensorDict]) -> TensorDict:
+    return TensorDict(
+        {
+            "params": params,
+            "opt_state": {r: opts[r].init(p) for r, p in params.items()},
+            "step": torch.zeros((), dtype=torch.int64),
+            "rng": torch.zeros((), dtype=torch.int64),
+        },
+        [],
+    )
+
+
+def test_accumulation_invariance_reports_every_role_after_a_structure_mismatch() -> None:
+    """Two roles, the first with gradient keys that depend on k and the second with values
+    that do: the message names both (a key-structure difference in one role does not end
+    the comparison of the others)."""
+    opts = {"a": optim.sgd(0.1), "b": optim.sgd(0.1)}
+    state = _sgd_state(
+        opts,
+        {
+            "a": TensorDict({"w": torch.zeros(2), "z": torch.zeros(2)}, []),
+            "b": TensorDict({"v": torch.zeros(2)}, []),
+        },
+    )
+
+    def make(k: int) -> StepFn:
+        def grad_fn(params: Any, batch: Any, key: Any, **kw: Any) -> Any:
+            a = {"w": torch.ones(2)} if k > 1 else {"w": torch.ones(2), "z": torch.ones(2)}
+            grads = TensorDict({"a": a, "b": {"v": torch.full((2,), float(k))}}, [])
+            return grads, TensorDict({}, [])
+
+        return ps.train_step(grad_fn, opts)
+
+    text = "\n".join(
+        _message(
+            lambda: testing.assert_accumulation_invariant(
+                make, state, [{"x": torch.zeros(1)}], ks=(1, 2)
+            )
+        )
+    )
+    assert "role 'a'" in text and "a.z" in text, text
+    assert "role 'b'" in text and "b.v" in text, text
+
+
+def test_accumulation_invariance_names_the_update_when_a_role_steps_twice() -> None:
+    """A step that updates one role twice (a wrapper running its train step twice): a
+    gradient that depends on k is reported by update number, since the role alone would not
+    say which of its two updates differs."""
+
+    @attrs.frozen
+    class Twice:
+        inner: Any
+
+        def __call__(self, s: TensorDictBase, b: Any) -> tuple[TensorDictBase, TensorDictBase]:
+            s, _ = self.inner(s, b)
+            return self.inner(s, b)
+
+    opts = {"m": optim.sgd(0.1)}
+    state = _sgd_state(opts, {"m": TensorDict({"w": torch.zeros(2)}, [])})
+
+    def make(k: int) -> StepFn:
+        def grad_fn(params: Any, batch: Any, key: Any, **kw: Any) -> Any:
+            return TensorDict({"m": {"w": torch.full((2,), float(k))}}, []), TensorDict({}, [])
+
+        return Twice(ps.train_step(grad_fn, opts))
+
+    text = "\n".join(
+        _message(
+            lambda: testing.assert_accumulation_invariant(
+                make, state, [{"x": torch.zeros(1)}], ks=(1, 2)
+            )
+        )
+    )
+    assert "update 0" in text and "update 1" in text, text
+    assert "role 'm': first" not in text, text
