@@ -1178,7 +1178,11 @@ def test_assert_resume_exact_names_a_load_that_adds_a_key_exactly() -> None:
             "2, max rel diff 0.667",
         ),
         (torch.tensor([5]), torch.tensor([-3]), "8, max rel diff 2.67"),
-        (torch.tensor([float("inf")]), torch.tensor([1.0]), "nan, max rel diff nan"),
+        (
+            torch.tensor([float("inf")]),
+            torch.tensor([1.0]),
+            "nan, max rel diff nan; 1 of 1 entries differ by a non-finite amount (NaN or inf)",
+        ),
     ],
 )
 def test_tree_comparisons_report_integer_and_non_finite_differences_exactly(
@@ -1290,3 +1294,53 @@ def test_accumulation_invariance_names_the_update_when_a_role_steps_twice() -> N
     )
     assert "update 0" in text and "update 1" in text, text
     assert "role 'm': first" not in text, text
+
+
+def test_accumulation_invariance_records_non_finite_gradients_of_a_skipping_step() -> None:
+    """A step wrapped in ``skip_nonfinite`` whose gradient is NaN for one k: the check still
+    sees that k's gradients (its recording step does not skip) and names the leaf, saying the
+    entry differs by a non-finite amount, not by 0."""
+    opts = {"m": optim.sgd(0.1)}
+    state = _sgd_state(opts, {"m": TensorDict({"w": torch.zeros(2)}, [])})
+
+    def make(k: int) -> StepFn:
+        def grad_fn(params: Any, batch: Any, key: Any, **kw: Any) -> Any:
+            w = torch.ones(2)
+            if k > 1:
+                w[0] = float("nan")
+            return TensorDict({"m": {"w": w}}, []), TensorDict({"loss": torch.tensor(1.0)}, [])
+
+        return ps.skip_nonfinite(ps.train_step(grad_fn, opts), max_consecutive=0)
+
+    lines = _message(
+        lambda: testing.assert_accumulation_invariant(
+            make, state, [{"x": torch.zeros(1)}], ks=(1, 2)
+        )
+    )
+    assert lines[0].startswith(
+        "accumulation invariance: gradients at step 0 with k=2 vs k=1: role 'm': first "
+        "difference at m.w: max abs diff 0, max rel diff 0; 1 of 2 entries differ by a "
+        "non-finite amount (NaN or inf)"
+    ), lines[0]
+
+
+@pytest.mark.parametrize(
+    ("actual", "expected", "odd"),
+    [
+        ([float("nan"), 1.0, 2.0], [1.0, 1.0, 2.0], 1),
+        ([float("inf"), 1.0, float("nan")], [float("-inf"), 1.0, 5.0], 2),
+        ([float("inf"), float("nan"), 3.0], [float("inf"), float("nan"), 2.0], 0),
+    ],
+)
+def test_comparisons_count_entries_that_differ_by_a_non_finite_amount(
+    actual: list[float], expected: list[float], odd: int
+) -> None:
+    """A NaN or inf on one side only (or infinities of opposite sign) is counted in the
+    message, so a leaf whose finite entries agree is not reported as differing by 0; equal
+    infinities and NaN against NaN are not counted."""
+    a = TensorDict({"w": torch.tensor(actual)}, [])
+    b = TensorDict({"w": torch.tensor(expected)}, [])
+    for check in (testing.assert_trees_close, testing.assert_trees_equal):
+        text = "\n".join(_message(lambda check=check: check(a, b)))
+        counted = f"{odd} of 3 entries differ by a non-finite amount" in text
+        assert counted == (odd > 0), text

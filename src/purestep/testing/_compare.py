@@ -40,7 +40,11 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _diff(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
+def _diff(a: torch.Tensor, b: torch.Tensor) -> str:
+    """``"max abs diff X, max rel diff Y"`` over the entries whose difference is finite, plus
+    how many entries differ by a non-finite amount (NaN or inf on one side only, or
+    infinities of opposite sign), so a NaN among equal entries is not reported as a
+    difference of 0."""
     a64 = tree.local(a).detach().to(torch.float64).cpu()
     b64 = tree.local(b).detach().to(torch.float64).cpu()
     d = (a64 - b64).abs()
@@ -49,7 +53,12 @@ def _diff(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
     denom = b64.abs().clamp_min(1e-30)
     rel = (d / denom)[finite]
     max_rel = float(rel.max()) if rel.numel() else float("nan")
-    return max_abs, max_rel
+    out = f"max abs diff {max_abs:.3g}, max rel diff {max_rel:.3g}"
+    same = (a64 == b64) | (torch.isnan(a64) & torch.isnan(b64))
+    odd = int((~finite & ~same).sum())
+    if odd:
+        out += f"; {odd} of {d.numel()} entries differ by a non-finite amount (NaN or inf)"
+    return out
 
 
 def _structure(a: TensorDictBase, b: TensorDictBase, what: str) -> None:
@@ -103,13 +112,7 @@ def equal_failures(
         if bad is not None:
             out.append((name, f": {bad}"))
         elif not torch.equal(_bits(x).cpu(), _bits(y).cpu()):
-            max_abs, max_rel = _diff(x, y)
-            out.append(
-                (
-                    name,
-                    f" (not bitwise equal): max abs diff {max_abs:.3g}, max rel diff {max_rel:.3g}",
-                )
-            )
+            out.append((name, f" (not bitwise equal): {_diff(x, y)}"))
     return out
 
 
@@ -143,8 +146,7 @@ def close_failures(
             if bad is not None:
                 out.append((name, f": {bad}"))
                 continue
-            max_abs, max_rel = _diff(x, y)
-            out.append((name, f": max abs diff {max_abs:.3g}, max rel diff {max_rel:.3g}"))
+            out.append((name, f": {_diff(x, y)}"))
     return out
 
 
