@@ -14,7 +14,7 @@ import dataclasses
 import os
 import re
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import attrs
 import pytest
@@ -1344,3 +1344,41 @@ def test_comparisons_count_entries_that_differ_by_a_non_finite_amount(
         text = "\n".join(_message(lambda check=check: check(a, b)))
         counted = f"{odd} of 3 entries differ by a non-finite amount" in text
         assert counted == (odd > 0), text
+
+
+@attrs.frozen
+class _Wrap:
+    """A user wrapper around any step (for the recording depth limit)."""
+
+    inner: Any
+
+    def __call__(self, s: TensorDictBase, b: Any) -> tuple[TensorDictBase, TensorDictBase]:
+        return self.inner(s, b)
+
+
+@pytest.mark.parametrize("depth", [6, 7])
+def test_accumulation_invariance_finds_a_train_step_under_at_most_six_wrappers(
+    depth: int,
+) -> None:
+    """By gradients the check finds the TrainStep inside wrappers nested up to six deep;
+    at seven it refuses the step with the TypeError that says to compare states instead."""
+    opts = {"m": optim.sgd(0.1)}
+    state = _sgd_state(opts, {"m": TensorDict({"w": torch.zeros(2)}, [])})
+
+    def grad_fn(params: Any, batch: Any, key: Any, **kw: Any) -> Any:
+        return TensorDict({"m": {"w": torch.ones(2)}}, []), TensorDict({}, [])
+
+    def make(k: int) -> StepFn:
+        step: Any = ps.train_step(grad_fn, opts)
+        for _ in range(depth):
+            step = _Wrap(step)
+        return cast(StepFn, step)
+
+    run = lambda: testing.assert_accumulation_invariant(  # noqa: E731
+        make, state, [{"x": torch.zeros(1)}], ks=(1, 2)
+    )
+    if depth <= 6:
+        run()
+    else:
+        with pytest.raises(TypeError, match="compare='state'"):
+            run()
