@@ -489,9 +489,10 @@ def test_assert_resume_exact_catches_a_lossy_load_naming_the_leaf(
     )
 
 
-def test_assert_resume_exact_names_a_load_that_drops_a_key() -> None:
-    """A load_fn that returns a different key structure is named as not the saved state."""
-    _, opts, gf, state = _setup()
+def _save_and_load_adding_a_key() -> tuple[
+    Callable[[TensorDictBase, str], None], Callable[[str, TensorDictBase], TensorDictBase]
+]:
+    """An in-memory save_fn and a load_fn that returns the saved state plus a key ``extra``."""
     saved: dict[str, TensorDict] = {}
 
     def save(s: TensorDictBase, path: str) -> None:
@@ -501,6 +502,14 @@ def test_assert_resume_exact_names_a_load_that_drops_a_key() -> None:
         out = saved[path].clone()
         out["extra"] = torch.zeros(())
         return out
+
+    return save, load
+
+
+def test_assert_resume_exact_names_a_load_that_drops_a_key() -> None:
+    """A load_fn that returns a different key structure is named as not the saved state."""
+    _, opts, gf, state = _setup()
+    save, load = _save_and_load_adding_a_key()
 
     with pytest.raises(AssertionError, match="not the saved one"):
         testing.assert_resume_exact(
@@ -1046,15 +1055,7 @@ def test_accumulation_invariance_allows_atol_times_the_largest_gradient_and_says
     message naming step, k, role and leaf and stating rtol, atol and G."""
     opts = {"m": optim.sgd(0.1)}
     params = TensorDict({"w": torch.zeros(3), "z": torch.zeros(2)}, [])
-    state = TensorDict(
-        {
-            "params": {"m": params},
-            "opt_state": {"m": opts["m"].init(params)},
-            "step": torch.zeros((), dtype=torch.int64),
-            "rng": torch.zeros((), dtype=torch.int64),
-        },
-        [],
-    )
+    state = _sgd_state(opts, {"m": params})
     target = torch.tensor([1.0, -2.0, 0.5]) * gain
 
     def make(k: int) -> StepFn:
@@ -1086,15 +1087,7 @@ def test_accumulation_invariance_names_gradients_whose_keys_depend_on_k() -> Non
     gradient): the message names step, k, role and the missing key path."""
     opts = {"m": optim.sgd(0.1)}
     params = TensorDict({"w": torch.zeros(3), "z": torch.zeros(2)}, [])
-    state = TensorDict(
-        {
-            "params": {"m": params},
-            "opt_state": {"m": opts["m"].init(params)},
-            "step": torch.zeros((), dtype=torch.int64),
-            "rng": torch.zeros((), dtype=torch.int64),
-        },
-        [],
-    )
+    state = _sgd_state(opts, {"m": params})
 
     def make(k: int) -> StepFn:
         def grad_fn(params: Any, batch: Any, key: Any, **kw: Any) -> Any:
@@ -1143,15 +1136,7 @@ def test_assert_trees_close_equates_nans_and_names_every_shape_or_dtype_mismatch
 
 def test_assert_resume_exact_names_a_load_that_adds_a_key_exactly() -> None:
     """The key-structure hint of a load_fn that returns an extra key is pinned."""
-    saved: dict[str, TensorDict] = {}
-
-    def save(s: TensorDictBase, path: str) -> None:
-        saved[path] = s.clone()
-
-    def load(path: str, like: TensorDictBase) -> TensorDictBase:
-        out = saved[path].clone()
-        out["extra"] = torch.zeros(())
-        return out
+    save, load = _save_and_load_adding_a_key()
 
     lines = _message(
         lambda: testing.assert_resume_exact(
