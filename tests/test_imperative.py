@@ -217,3 +217,132 @@ def test_a_non_donating_step_that_writes_into_its_input_state_is_caught() -> Non
 
     with pytest.raises(AssertionError, match=r"step 0\): the input state.*params\.model\.2\.bias"):
         testing.assert_matches_imperative(net, _mse, optim.sgd(0.1), _batches(), step=Leaky())
+
+
+class _Buffered(nn.Module):
+    """Every kind of buffer a real model registers, in the order that matters to the check:
+    at the root a ``None`` buffer and a non-persistent one (a rotary table) *before* a
+    persistent one, a nested BatchNorm (updated by the forward), and one persistent tensor
+    registered in two submodules (deduplicated, as ``named_buffers`` does)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("absent", None)
+        self.register_buffer("table", torch.arange(3.0), persistent=False)
+        self.register_buffer("scale", torch.full((3,), 0.5))
+        self.inp = nn.Linear(3, 4)
+        self.norm = nn.BatchNorm1d(4)
+        self.out = nn.Linear(4, 2)
+        shared = torch.ones(2)
+        self.a, self.b = nn.Module(), nn.Module()
+        self.a.register_buffer("shift", shared)
+        self.b.register_buffer("shift", shared)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(self.inp(x * self.scale + self.table))
+        return self.out(torch.tanh(h)) + self.a.shift
+
+
+def test_a_module_with_every_kind_of_buffer_matches_and_its_buffers_are_compared() -> None:
+    """Root-level, nested, shared, non-persistent and ``None`` buffers: the check passes for
+    purestep's own step (BatchNorm statistics updated by both sides), and a step that does
+    not update the statistics is caught, naming the nested buffer."""
+    torch.manual_seed(0)
+    net = _Buffered()
+    testing.assert_matches_imperative(net, _mse, optim.adamw(1e-2), _batches())
+
+    inner = ps.train_step(ps.value_and_grad(_loss_fn(net, _mse)), {"model": optim.adamw(1e-2)})
+
+    def frozen_stats(state: TensorDictBase, batch: Any) -> Any:
+        new, metrics = inner(state, batch)
+        return new.set(("buffers", "model"), state["buffers", "model"].clone()), metrics
+
+    with pytest.raises(
+        AssertionError, match=r"after step 0.*first difference at buffers\.norm\.running_mean"
+    ):
+        testing.assert_matches_imperative(
+            net, _mse, optim.adamw(1e-2), _batches(), step=frozen_stats
+        )
+
+
+def test_a_compiled_module_is_checked_through_the_module_it_wraps() -> None:
+    """``torch.compile(model)`` (an ``OptimizedModule``, whose parameter names start with
+    ``_orig_mod.``) is compared by the wrapped module's names, as purestep states name them."""
+    compiled = torch.compile(_mlp(), backend="eager")
+    testing.assert_matches_imperative(compiled, _mse, optim.sgd(0.1), _batches(n=2))
+
+
+def test_a_state_without_the_role_names_the_role_and_the_roles_it_has() -> None:
+    """A state (or a step's prepared state) without params for ``role`` is refused before any
+    comparison, naming the role and the roles the state has."""
+    net = _mlp()
+    opts = {"model": optim.sgd(0.1)}
+    state = ps.init_state({"model": net}, opts, seed=0)
+    step = ps.train_step(ps.value_and_grad(_loss_fn(net, _mse)), opts)
+    with pytest.raises(
+        AssertionError, match=r"the state has no params for role 'student' \(roles: \['model'\]\)"
+    ):
+        testing.assert_matches_imperative(
+            net, _mse, optim.sgd(0.1), _batches(), step=step, state=state, role="student"
+        )
+
+    def no_params(state: TensorDictBase, batch: Any) -> Any:
+        return state, {}
+
+    with pytest.raises(AssertionError, match=r"no params for role 'model' \(roles: \[\]\)"):
+        testing.assert_matches_imperative(
+            net, _mse, optim.sgd(0.1), _batches(), step=no_params, state=state.exclude("params")
+        )
+
+
+def test_a_loss_that_is_not_a_scalar_on_the_purestep_side_only_names_that_side() -> None:
+    """The scalar check runs on each side and says which one returned what."""
+
+    def loss(forward: Callable[..., Any], batch: TensorDictBase) -> torch.Tensor:
+        out = _mse(forward, batch)
+        return out if isinstance(forward, nn.Module) else out.reshape(1, 1).expand(2, 1)
+
+    with pytest.raises(TypeError, match=r"on the purestep side; got Tensor of shape \(2, 1\)"):
+        testing.assert_matches_imperative(_mlp(), loss, optim.sgd(0.1), _batches())
+
+
+def test_each_donate_flag_builds_a_step_with_that_flag(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``donate=(False, True)`` checks two built steps, one not donating and one donating."""
+    import purestep.testing.imperative as imperative
+
+    built: list[Any] = []
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        step = ps.train_step(*args, **kwargs)
+        built.append(step.donate)
+        return step
+
+    monkeypatch.setattr(imperative, "train_step", spy)
+    testing.assert_matches_imperative(_mlp(), _mse, optim.sgd(0.1), _batches(n=1))
+    assert built == [False, True]
+    built.clear()
+    testing.assert_matches_imperative(_mlp(), _mse, optim.sgd(0.1), _batches(n=1), donate=True)
+    assert built == [True]
+
+
+def test_a_scheduled_torch_optimizer_starts_at_the_schedules_first_lr_and_keeps_closures() -> None:
+    """The derived optimizer's lr is ``schedule(0)`` before any step, ``schedule(n)`` at the
+    n-th step, and ``step(closure)`` still calls the closure and returns its loss."""
+    schedule = optim.schedules.warmup_cosine(1e-2, 2, 5)
+    p = nn.Parameter(torch.ones(2))
+    opt = testing.torch_optimizer_for(optim.sgd(schedule))([p])
+    assert opt.param_groups[0]["lr"] == float(schedule(0)) == 0.0
+    calls: list[int] = []
+
+    def closure() -> torch.Tensor:
+        calls.append(1)
+        opt.zero_grad()
+        loss = (p**2).sum()
+        loss.backward()
+        return loss
+
+    for n in range(3):
+        before = float((p.detach() ** 2).sum())
+        assert float(opt.step(closure).detach()) == before
+        assert opt.param_groups[0]["lr"] == float(schedule(n))
+    assert len(calls) == 3

@@ -1367,3 +1367,57 @@ def test_accumulation_invariance_finds_a_train_step_under_at_most_six_wrappers(
     else:
         with pytest.raises(TypeError, match="compare='state'"):
             run()
+
+
+@attrs.frozen
+class _Tagged:
+    """A user wrapper whose first field is not an ``__init__`` argument (a derived tag)."""
+
+    tag: str = attrs.field(init=False, default="tagged")
+    inner: Any = attrs.field(default=None)
+
+    def __call__(self, s: TensorDictBase, b: Any) -> tuple[TensorDictBase, TensorDictBase]:
+        return self.inner(s, b)
+
+
+def test_accumulation_invariance_looks_past_a_wrapper_field_that_is_not_an_init_argument() -> None:
+    """A wrapper's non-``__init__`` field (declared before the step) is skipped, not the end
+    of the search: the TrainStep after it is found, and its gradient mismatch is reported."""
+    opts = {"m": optim.sgd(0.1)}
+    state = _sgd_state(opts, {"m": TensorDict({"w": torch.zeros(2)}, [])})
+
+    def make(scale_of_k: Callable[[int], float]) -> Callable[[int], StepFn]:
+        def build(k: int) -> StepFn:
+            def grad_fn(params: Any, batch: Any, key: Any, **kw: Any) -> Any:
+                g = torch.full((2,), scale_of_k(k))
+                return TensorDict({"m": {"w": g}}, []), TensorDict({}, [])
+
+            return cast(StepFn, _Tagged(inner=ps.train_step(grad_fn, opts)))
+
+        return build
+
+    batches = [{"x": torch.zeros(1)}]
+    testing.assert_accumulation_invariant(make(lambda k: 1.0), state, batches, ks=(1, 2))
+    with pytest.raises(AssertionError, match=r"k=2 vs k=1: role 'm'.*\n.*w"):
+        testing.assert_accumulation_invariant(make(float), state, batches, ks=(1, 2))
+
+
+def test_accumulation_invariance_refuses_a_make_step_whose_optimizer_depends_on_k() -> None:
+    """The gradient recorders keep each optimizer's init and name: when ``make_step(2)`` uses
+    another optimizer than ``make_step(1)`` (whose state the check was given), k=2's step
+    refuses the state with its own validation, naming the role and that optimizer."""
+    net, _, grad_fn, _ = _setup()
+    opts = {1: {"m": optim.adamw(1e-2)}, 2: {"m": optim.sgd(0.1, momentum=0.9)}}
+    state = ps.init_state({"m": net}, opts[1], seed=0)
+    with pytest.raises(
+        ps.StateError,
+        match=r"opt_state\.m was not built by this step's optimizer for role 'm' "
+        r"\(gradient recorder of sgd\): opt_state\.m has keys \['count', 'lr', 'mu', 'nu', "
+        r"'steps'\], its optimizer keeps \['count', 'lr', 'momentum_buffer'\]",
+    ):
+        testing.assert_accumulation_invariant(
+            lambda k: ps.train_step(ps.accumulate(grad_fn, k), opts[k]),
+            state,
+            [_batch(0)],
+            ks=(1, 2),
+        )
