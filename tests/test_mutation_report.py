@@ -170,3 +170,33 @@ def test_the_report_says_how_to_get_results_when_there_are_none(
     """Without a ``mutants/`` folder the report exits 2 and says to run mutmut first."""
     assert report.main(["--mutants", str(tmp_path / "none")]) == 2
     assert "run `mutmut run` first" in capsys.readouterr().err
+
+
+def test_unreachable_mutants_leave_the_score_but_not_the_strict_score(tmp_path: Path) -> None:
+    """An ``[[unreachable]]`` entry (CUDA-only, multi-rank-only) is excluded from the score,
+    counted as a survivor by the strict score, and stale once it is killed or when an
+    ``[[equivalent]]`` entry names a mutant no test reaches."""
+    folder = _equivalents(
+        tmp_path,
+        '[[unreachable]]\nmutant = "purestep.rng.x_f__mutmut_1"\nline = "cuda"\n'
+        'reason = "CUDA generators only: tests/test_cuda.py covers it on a GPU"\n'
+        '[[equivalent]]\nmutant = "purestep.rng.x_f__mutmut_2"\nline = "x"\n'
+        'reason = "the same value under every input the caller can give"\n',
+    )
+    equivalents = report.load_equivalents(folder)
+    assert equivalents["purestep.rng.x_f__mutmut_1"].kind == "unreachable"
+    verdicts = {
+        "purestep.rng.x_f__mutmut_0": ("rng.py", "killed"),
+        "purestep.rng.x_f__mutmut_1": ("rng.py", "no tests"),
+        "purestep.rng.x_f__mutmut_2": ("rng.py", "no tests"),
+    }
+    areas, _ = report.tally(verdicts, equivalents)
+    t = areas["rng.py"]
+    assert (t.unreachable, t.equivalent, t.score, t.strict_score) == (1, 0, 0.5, 1 / 3)
+    stale = report.stale_equivalents(verdicts, equivalents, lambda n, rel: "+ cuda x")
+    assert stale == [
+        "purestep.rng.x_f__mutmut_2: listed as equivalent but no test reaches it (not a verdict)"
+    ]
+    verdicts["purestep.rng.x_f__mutmut_1"] = ("rng.py", "killed")
+    stale = report.stale_equivalents(verdicts, equivalents, lambda n, rel: "+ cuda x")
+    assert stale[0] == "purestep.rng.x_f__mutmut_1: listed as unreachable but killed"

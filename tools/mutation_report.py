@@ -6,11 +6,15 @@ file per area),
 and prints, for every critical area and every file in it, how many mutants were killed,
 how many survived, which survivors are equivalent, and the score
 
-    score = killed / (mutants - equivalent)
+    score = killed / (mutants - equivalent - unreachable)
 
 where "killed" counts mutmut's "killed" and "timeout" verdicts (a mutant that makes a
 test hang was caught; mutmut scores it the same way), and every other verdict of a
 non-equivalent mutant (survived, no tests, not run yet, suspicious) counts against it.
+"Unreachable" mutants are the second kind of entry: code that no single-process CPU test
+can run (a CUDA-only branch, a branch taken only with several ranks), each listed with the
+GPU or multi-process test that covers it. They are not equivalent, so the table shows them
+in their own column and also gives the strict score, which counts them as survivors.
 
 Each equivalence entry names its mutants and the line they put in the source; the report
 re-reads each mutant's diff and calls the entry stale when the line is no longer there
@@ -95,11 +99,16 @@ def status_of(exit_code: int | None) -> str:
 
 @dataclass(frozen=True)
 class Equivalent:
-    """One reviewed equivalent mutant: the line it writes and why no test can tell."""
+    """One reviewed mutant: the line it writes, and why no test here can tell it apart.
+
+    ``kind`` is ``"equivalent"`` (no input can tell it from the original) or
+    ``"unreachable"`` (it differs only where no single-process CPU test can run).
+    """
 
     mutant: str
     line: str
     reason: str
+    kind: str = "equivalent"
 
 
 @dataclass
@@ -108,6 +117,7 @@ class Tally:
 
     counts: Counter[str] = field(default_factory=Counter)
     equivalent: int = 0
+    unreachable: int = 0
 
     @property
     def total(self) -> int:
@@ -119,27 +129,35 @@ class Tally:
 
     @property
     def score(self) -> float | None:
-        """Killed share of the non-equivalent mutants (None when there are none).
+        """Killed share of the mutants neither equivalent nor unreachable (None if none).
 
         Example:
             >>> t = Tally(Counter(killed=19, survived=2), equivalent=1)
             >>> t.score
             0.95
         """
+        denominator = self.total - self.equivalent - self.unreachable
+        return None if denominator <= 0 else self.caught / denominator
+
+    @property
+    def strict_score(self) -> float | None:
+        """Killed share of the non-equivalent mutants, unreachable ones counted as survivors."""
         denominator = self.total - self.equivalent
         return None if denominator <= 0 else self.caught / denominator
 
     def add(self, other: Tally) -> None:
         self.counts.update(other.counts)
         self.equivalent += other.equivalent
+        self.unreachable += other.unreachable
 
 
 def load_equivalents(path: Path = EQUIVALENTS) -> dict[str, Equivalent]:
     """The reviewed equivalent mutants, by name, from a TOML file or a folder of them.
 
-    Each file holds ``[[equivalent]]`` tables, each with ``reason`` and either one
-    ``mutant`` and its ``line`` (the text the mutant's diff adds, or a part of it) or a
-    list ``mutants = [[name, line], ...]`` that share the reason.
+    Each file holds ``[[equivalent]]`` and ``[[unreachable]]`` tables, each with
+    ``reason`` and either one ``mutant`` and its ``line`` (the text the mutant's diff
+    adds, or a part of it) or a list ``mutants = [[name, line], ...]`` that share the
+    reason.
 
     Example:
         >>> sorted(load_equivalents())[:1]  # doctest: +SKIP
@@ -148,13 +166,15 @@ def load_equivalents(path: Path = EQUIVALENTS) -> dict[str, Equivalent]:
     files = sorted(path.glob("*.toml")) if path.is_dir() else [path] if path.exists() else []
     out: dict[str, Equivalent] = {}
     for file in files:
-        for entry in tomllib.loads(file.read_text()).get("equivalent", []):
-            reason = entry["reason"]
-            pairs = entry.get("mutants") or [[entry["mutant"], entry["line"]]]
-            for name, line in pairs:
-                if name in out:
-                    raise ValueError(f"{file}: {name} is listed twice")
-                out[name] = Equivalent(name, line, reason)
+        data = tomllib.loads(file.read_text())
+        for kind in ("equivalent", "unreachable"):
+            for entry in data.get(kind, []):
+                reason = entry["reason"]
+                pairs = entry.get("mutants") or [[entry["mutant"], entry["line"]]]
+                for name, line in pairs:
+                    if name in out:
+                        raise ValueError(f"{file}: {name} is listed twice")
+                    out[name] = Equivalent(name, line, reason, kind)
     return out
 
 
@@ -202,9 +222,13 @@ def tally(
     files: dict[str, Tally] = {}
     for name, (rel, status) in verdicts.items():
         t = files.setdefault(rel, Tally())
-        if status == "survived" and name in equivalents:
+        eq = equivalents.get(name)
+        if eq is not None and eq.kind == "equivalent" and status == "survived":
             t.equivalent += 1
             status = "equivalent"
+        elif eq is not None and eq.kind == "unreachable" and status in ("survived", "no tests"):
+            t.unreachable += 1
+            status = "unreachable"
         t.counts[status] += 1
     areas: dict[str, Tally] = {area: Tally() for area in AREAS}
     for rel, t in files.items():
@@ -236,7 +260,10 @@ def stale_equivalents(
             continue
         rel, status = verdicts[name]
         if status in _CAUGHT:
-            out.append(f"{name}: listed as equivalent but {status}")
+            out.append(f"{name}: listed as {eq.kind} but {status}")
+            continue
+        if status == "no tests" and eq.kind == "equivalent":
+            out.append(f"{name}: listed as equivalent but no test reaches it (not a verdict)")
             continue
         added = [ln[1:].strip() for ln in diff_of(name, rel).splitlines() if ln.startswith("+")]
         if not any(eq.line.strip() in ln for ln in added if not ln.startswith("++")):
@@ -255,10 +282,25 @@ class DiffFn:
 
 def _fmt_score(t: Tally) -> str:
     s = t.score
-    return "-" if s is None else f"{t.caught}/{t.total - t.equivalent} = {100 * s:.1f} %"
+    n = t.total - t.equivalent - t.unreachable
+    return "-" if s is None else f"{t.caught}/{n} = {100 * s:.1f} %"
 
 
-_COLUMNS = ("killed", "timeout", "survived", "equivalent", "no tests", "not run", "suspicious")
+def _fmt_strict(t: Tally) -> str:
+    s = t.strict_score
+    return "-" if s is None else f"{100 * s:.1f} %"
+
+
+_COLUMNS = (
+    "killed",
+    "timeout",
+    "survived",
+    "equivalent",
+    "unreachable",
+    "no tests",
+    "not run",
+    "suspicious",
+)
 
 
 def rows(areas: dict[str, Tally], files: dict[str, Tally]) -> Iterable[tuple[str, Tally, str]]:
@@ -272,10 +314,11 @@ def rows(areas: dict[str, Tally], files: dict[str, Tally]) -> Iterable[tuple[str
 
 def render(areas: dict[str, Tally], files: dict[str, Tally], markdown: bool) -> str:
     """The score table, as text or as a markdown table."""
-    head = ("module", "mutants", *_COLUMNS, "score", "target")
+    head = ("module", "mutants", *_COLUMNS, "score", "strict", "target")
     lines = []
     for label, t, target in rows(areas, files):
-        cells = (label, str(t.total), *(str(t.counts[c]) for c in _COLUMNS), _fmt_score(t), target)
+        counts = (str(t.counts[c]) for c in _COLUMNS)
+        cells = (label, str(t.total), *counts, _fmt_score(t), _fmt_strict(t), target)
         lines.append(cells)
     if markdown:
         out = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
