@@ -11,7 +11,8 @@ first failing example kills the mutant; shrinking it only burns the CPU-time lim
 mutmut reports as a timeout); and at most
 ``MUTATION_MAX_EXAMPLES`` (default 20) examples for the tests that do not set
 their own ``max_examples``; torch then runs one intra-op thread per test process
-(see docs/testing.md, "Mutation testing"). Pick one
+(see docs/testing.md, "Mutation testing"), and every test runs in a scratch working
+directory, so a mutant that deletes its working directory cannot delete mutmut's. Pick one
 explicitly with ``HYPOTHESIS_PROFILE=dev|ci|mutation``.
 
 Tests marked ``cuda`` run whenever ``torch.cuda.is_available()`` and are skipped
@@ -50,6 +51,19 @@ if "MUTANT_UNDER_TEST" in os.environ:
     # thread each by default (several would spin against each other, and count against the
     # CPU-time limit that mutmut reports as a "timeout"); MUTATION_THREADS=n to change it.
     torch.set_num_threads(int(os.environ.get("MUTATION_THREADS", "1")))
+
+    @pytest.fixture(autouse=True)
+    def _scratch_working_directory(
+        tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """Under mutmut each test runs in a fresh scratch working directory.
+
+        mutmut runs the tests in ``mutants/``, beside its mutated sources and verdicts. A
+        mutant of code that deletes directories (checkpoint pruning, scratch clean-up) can
+        turn a path into the working directory: one did, and deleted every verdict of a
+        2.5-hour run. Here such a mutant deletes only its own scratch directory (and fails).
+        """
+        monkeypatch.chdir(tmp_path_factory.mktemp("cwd"))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
