@@ -23,6 +23,7 @@ from tensordict import TensorDict, TensorDictBase
 from torch import nn
 
 import purestep as ps
+from _ids import safe_id
 from purestep import errors, optim, rng, testing, tree
 from purestep.optim import schedules
 
@@ -524,7 +525,7 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+@pytest.mark.parametrize("case", CASES, ids=[safe_id(c.name) for c in CASES])
 def test_misuse_raises_a_clear_error_before_anything_changes(case: Case) -> None:
     """Each misuse raises the documented type, naming the user's object, and mutates nothing."""
     call, watched = case.make()

@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from tensordict import TensorDict
 from torch import Tensor, nn
 
+from _ids import safe_id
 from _optim import (
     EXACT,
     STEPS,
@@ -343,7 +344,9 @@ BAD = [(name, kw, exc, field) for name, row in ROWS.items() for kw, exc, field i
 
 
 @pytest.mark.parametrize(
-    ("name", "kwargs", "exc", "field"), BAD, ids=[f"{b[0]}-{b[3]}-{i}" for i, b in enumerate(BAD)]
+    ("name", "kwargs", "exc", "field"),
+    BAD,
+    ids=[safe_id(f"{b[0]}-{b[3]}-{i}") for i, b in enumerate(BAD)],
 )
 def test_bad_hyperparameter_fails_at_construction_naming_the_field(
     name: str, kwargs: Hp, exc: type[Exception], field: str

@@ -11,6 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from _ids import safe_id
 from purestep.optim import Schedule, schedules
 
 value_st = st.floats(-10.0, 10.0)
@@ -257,7 +258,7 @@ def test_int_and_int64_tensor_counts_give_equal_floats(i: int, n: int) -> None:
     assert type(a) is float and type(b) is float and a == b
 
 
-@pytest.mark.parametrize("s", ALL_SCHEDULES, ids=repr)
+@pytest.mark.parametrize("s", ALL_SCHEDULES, ids=lambda s: safe_id(repr(s)))
 def test_repr_names_the_constructor(s: Schedule) -> None:
     """A schedule's repr reads like the call that built it."""
     name = repr(s).split("(")[0]
