@@ -64,16 +64,18 @@ def test_score_is_killed_over_mutants_minus_equivalents_and_every_other_verdict_
     tmp_path: Path,
 ) -> None:
     """Killed and timed-out mutants count for the score; survivors, untested and unrun
-    mutants against it; only listed equivalent *survivors* leave the denominator."""
+    mutants against it, and so does mutmut's 255 (its runner failed: no verdict); only
+    listed equivalent *survivors* leave the denominator."""
     codes = {
-        f"purestep.rng.x_f__mutmut_{i}": c for i, c in enumerate([1, 0, 0, 0, 36, 33, None, -11])
+        f"purestep.rng.x_f__mutmut_{i}": c
+        for i, c in enumerate([1, 0, 0, 0, 36, 33, None, -11, 255])
     }
     verdicts = report.load_verdicts(_mutants(tmp_path, {"rng.py": codes}))
     equivalents = report.load_equivalents(_equivalents(tmp_path, EQ))
     areas, files = report.tally(verdicts, equivalents)
     t = areas["rng.py"]
-    assert (t.total, t.caught, t.equivalent) == (8, 2, 2)
-    assert t.score == pytest.approx(2 / 6)
+    assert (t.total, t.caught, t.equivalent) == (9, 2, 2)
+    assert t.score == pytest.approx(2 / 7)
     assert dict(t.counts) == {
         "killed": 1,
         "survived": 1,
@@ -82,6 +84,7 @@ def test_score_is_killed_over_mutants_minus_equivalents_and_every_other_verdict_
         "no tests": 1,
         "not run": 1,
         "suspicious": 1,
+        "error": 1,
     }
     assert files["rng.py"].score == t.score
 

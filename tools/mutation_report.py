@@ -9,7 +9,9 @@ how many survived, which survivors are equivalent, and the score
     score = killed / (mutants - equivalent - unreachable)
 
 where "killed" counts mutmut's "killed" and "timeout" verdicts (a mutant that makes a
-test hang was caught; mutmut scores it the same way), and every other verdict of a
+test hang was caught; mutmut scores it the same way), except exit status 255, which
+mutmut also calls a timeout but which means its test runner failed (shown as "error"),
+and every other verdict of a
 non-equivalent mutant (survived, no tests, not run yet, suspicious) counts against it.
 "Unreachable" mutants are the second kind of entry: code that no single-process CPU test
 can run (a CUDA-only branch, a branch taken only with several ranks), each listed with the
@@ -80,7 +82,9 @@ _STATUS = {
     24: "timeout",
     -24: "timeout",
     152: "timeout",
-    255: "timeout",
+    # mutmut maps 255 to "timeout", but it is its forkserver failing to run the tests at
+    # all (e.g. a test id the warm session could not find): no verdict, so not caught.
+    255: "error",
     37: "caught by type check",
     None: "not run",
 }
@@ -300,6 +304,7 @@ _COLUMNS = (
     "no tests",
     "not run",
     "suspicious",
+    "error",
 )
 
 
