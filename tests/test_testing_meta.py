@@ -1181,6 +1181,26 @@ def test_tree_comparisons_report_integer_and_non_finite_differences_exactly(
 
 @settings(max_examples=20, deadline=None)
 @given(
+    re=st.floats(min_value=-1e3, max_value=1e3),
+    im=st.floats(min_value=-1e3, max_value=1e3).filter(lambda v: abs(v) > 1e-3),
+)
+def test_tree_comparisons_report_the_imaginary_part_of_a_complex_difference(
+    re: float, im: float
+) -> None:
+    """A complex leaf that differs only in its imaginary part is reported with that
+    difference (|im|), not "max abs diff 0" from a cast that drops the imaginary part."""
+    expected = torch.tensor([complex(re, 0.0), 1 + 1j], dtype=torch.complex128)
+    actual = expected + torch.tensor([complex(0.0, im), 0j], dtype=torch.complex128)
+    lines = _message(lambda: testing.assert_trees_equal({"z": actual}, {"z": expected}))
+    rel = abs(im) / max(abs(re), 1e-30)
+    assert lines == [
+        f"trees: first difference at z (not bitwise equal): max abs diff {abs(im):.3g}, "
+        f"max rel diff {rel:.3g}"
+    ]
+
+
+@settings(max_examples=20, deadline=None)
+@given(
     big=st.floats(min_value=1.0, max_value=1e6),
     order=st.permutations(range(5)),
 )

@@ -35,7 +35,9 @@ def snapshot(x: TensorDictBase | Mapping[str, Any]) -> TensorDict:
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
     t = tree.local(t).detach()
-    if t.is_floating_point() or t.is_complex():
+    if t.is_complex():  # complex128 has no 16-byte integer: compare its two float64 halves
+        t = torch.view_as_real(t.contiguous())
+    if t.is_floating_point():
         return t.contiguous().view(_INT_VIEW[t.element_size()])
     return t
 
@@ -45,8 +47,10 @@ def _diff(a: torch.Tensor, b: torch.Tensor) -> str:
     how many entries differ by a non-finite amount (NaN or inf on one side only, or
     infinities of opposite sign), so a NaN among equal entries is not reported as a
     difference of 0."""
-    a64 = tree.local(a).detach().to(torch.float64).cpu()
-    b64 = tree.local(b).detach().to(torch.float64).cpu()
+    # Complex leaves are compared as complex: a cast to float64 would drop the imaginary part.
+    wide = torch.complex128 if a.is_complex() or b.is_complex() else torch.float64
+    a64 = tree.local(a).detach().to(wide).cpu()
+    b64 = tree.local(b).detach().to(wide).cpu()
     d = (a64 - b64).abs()
     finite = torch.isfinite(d)
     max_abs = float(d[finite].max()) if finite.any() else float("nan")
