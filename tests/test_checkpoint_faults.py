@@ -582,3 +582,18 @@ def test_prune_removes_only_what_purestep_made(tmp_path: Path) -> None:
         assert (tmp_path / name / "file.txt").read_text() == text
     ckpt.verify(tmp_path / "step_00000001.tmp-usercopy")
     COUNTS["prune beside user dirs"] += 1
+
+
+@pytest.mark.parametrize("directory", [None, 3])
+def test_remove_tree_refuses_a_non_path_instead_of_emptying_the_working_directory(
+    directory: object, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``os.scandir(None)`` lists the working directory: given anything but a path, the
+    checkpoint directory remover raises and deletes nothing."""
+    from purestep.distributed._ckpt_fs import remove_tree
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "keep.txt").write_text("x")
+    with pytest.raises(TypeError, match="remove_tree: directory must be a path"):
+        remove_tree(directory, last=())  # type: ignore[arg-type]
+    assert (tmp_path / "keep.txt").read_text() == "x"

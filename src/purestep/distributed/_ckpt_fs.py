@@ -155,6 +155,9 @@ def remove_tree(directory: Path, last: tuple[str, ...]) -> None:
         >>> remove_tree(d, last=("metadata.json",)); d.exists()
         False
     """
+    if not isinstance(directory, (str, os.PathLike)):
+        # os.scandir(None) lists the *working directory*, which would then be deleted.
+        raise TypeError(f"remove_tree: directory must be a path, got {type(directory).__name__}")
     try:
         entries = list(os.scandir(directory))
     except OSError:
