@@ -203,3 +203,17 @@ def test_unreachable_mutants_leave_the_score_but_not_the_strict_score(tmp_path: 
     verdicts["purestep.rng.x_f__mutmut_1"] = ("rng.py", "killed")
     stale = report.stale_equivalents(verdicts, equivalents, lambda n, rel: "+ cuda x")
     assert stale[0] == "purestep.rng.x_f__mutmut_1: listed as unreachable but killed"
+
+
+def test_a_deletion_only_mutant_is_recorded_by_the_line_it_deletes(tmp_path: Path) -> None:
+    """An entry whose line starts with ``-`` matches a line the mutant deletes (a mutant
+    that removes a statement adds none); the ``---`` header never matches."""
+    name = "purestep.rng.x_f__mutmut_4"
+    eq = {name: report.Equivalent(name, "-state.pop('x')", "r")}
+    verdicts = {name: ("rng.py", "survived")}
+    diff = "--- src/purestep/rng.py\n+++ src/purestep/rng.py\n     a = 1\n-    state.pop('x')\n"
+    assert report.stale_equivalents(verdicts, eq, lambda n, rel: diff) == []
+    moved = "--- state.pop('x')\n+++ b\n+    state.pop('x')\n"
+    assert report.stale_equivalents(verdicts, eq, lambda n, rel: moved) == [
+        f"{name}: its diff no longer deletes \"state.pop('x')\""
+    ]

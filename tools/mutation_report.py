@@ -251,7 +251,8 @@ def stale_equivalents(
 
     An entry is stale when its mutant does not exist, was killed (so it was not
     equivalent), or its diff no longer adds the recorded line (mutmut renumbered the
-    function's mutants after a change).
+    function's mutants after a change). A recorded line starting with ``-`` is a line
+    the mutant deletes (for mutants that add none).
 
     Example:
         >>> stale_equivalents({}, {"m": Equivalent("m", "x", "r")}, lambda n, p: "")
@@ -269,9 +270,12 @@ def stale_equivalents(
         if status == "no tests" and eq.kind == "equivalent":
             out.append(f"{name}: listed as equivalent but no test reaches it (not a verdict)")
             continue
-        added = [ln[1:].strip() for ln in diff_of(name, rel).splitlines() if ln.startswith("+")]
-        if not any(eq.line.strip() in ln for ln in added if not ln.startswith("++")):
-            out.append(f"{name}: its diff no longer adds {eq.line!r}")
+        # A mutant that only deletes a line is recorded as "-<text of the deleted line>".
+        sign, want = ("-", eq.line[1:]) if eq.line.startswith("-") else ("+", eq.line)
+        body = [ln for ln in diff_of(name, rel).splitlines() if not ln.startswith(sign * 3)]
+        if not any(want.strip() in ln[1:].strip() for ln in body if ln.startswith(sign)):
+            verb = "deletes" if sign == "-" else "adds"
+            out.append(f"{name}: its diff no longer {verb} {want!r}")
     return out
 
 
