@@ -597,3 +597,99 @@ def test_remove_tree_refuses_a_non_path_instead_of_emptying_the_working_director
     with pytest.raises(TypeError, match="remove_tree: directory must be a path"):
         remove_tree(directory, last=())  # type: ignore[arg-type]
     assert (tmp_path / "keep.txt").read_text() == "x"
+
+
+# -- failures before the first byte is written ----------------------------------------------
+
+
+def _only_previous_left(root: Path) -> None:
+    ckpt.wait_pending()  # nothing left pending either
+    assert sorted(p.name for p in root.iterdir()) == ["a"]
+    assert ckpt.latest(root) == root / "a"
+
+
+@pytest.mark.parametrize("async_", [False, True], ids=["sync", "async"])
+def test_a_failed_collective_for_the_scratch_token_fails_the_save_before_writing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, async_: bool
+) -> None:
+    """If the collective that agrees on the scratch directory's token fails (a peer died), save
+    raises CheckpointWriteError naming the checkpoint and the failure (chained), and creates
+    nothing."""
+    from purestep.distributed import checkpoint as module
+
+    ckpt.save(_small(1), tmp_path / "a")
+    died = RuntimeError("peer 1 died (simulated)")
+
+    def gather(group: Any, value: Any) -> list[Any]:
+        raise died
+
+    monkeypatch.setattr(module, "_gather", gather)
+    with pytest.raises(ckpt.CheckpointWriteError) as info:
+        _save(tmp_path / "b", async_)
+    assert str(info.value) == (
+        f"saving checkpoint {tmp_path / 'b'}: a collective with the other ranks failed: {died}"
+    )
+    assert info.value.details() == {"path": tmp_path / "b", "file": None, "key": None}
+    assert info.value.__cause__ is died
+    _only_previous_left(tmp_path)
+    COUNTS["failed token collective"] += 1
+
+
+@pytest.mark.parametrize("async_", [False, True], ids=["sync", "async"])
+def test_a_scratch_directory_that_cannot_be_created_fails_the_save_and_is_removed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, async_: bool
+) -> None:
+    """ENOSPC while creating the scratch directory (writing its marker): save raises
+    CheckpointWriteError naming the checkpoint and the scratch directory, with the OSError
+    chained, and removes the half-made scratch directory."""
+    from purestep.distributed import _ckpt_fs
+
+    ckpt.save(_small(1), tmp_path / "a")
+    full = OSError(errno.ENOSPC, "No space left on device (simulated)")
+    made: list[tuple[Path, str]] = []
+
+    def write_marker(directory: Path, token: str) -> None:
+        made.append((directory, token))
+        assert directory.is_dir()  # created, then the marker write fails
+        raise full
+
+    monkeypatch.setattr(_ckpt_fs, "write_marker", write_marker)
+    with pytest.raises(ckpt.CheckpointWriteError) as info:
+        _save(tmp_path / "b", async_)
+    ((scratch, token),) = made
+    assert scratch == tmp_path / f"b.tmp-{token}"
+    assert str(info.value) == (
+        f"saving checkpoint {tmp_path / 'b'}: cannot create its scratch directory {scratch}: {full}"
+    )
+    assert info.value.details() == {"path": tmp_path / "b", "file": None, "key": None}
+    assert info.value.__cause__ is full
+    _only_previous_left(tmp_path)
+    COUNTS["failed scratch directory"] += 1
+
+
+def test_a_failed_copy_to_cpu_buffers_fails_an_async_save_and_removes_its_scratch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An async save whose staging copy fails (out of host memory) raises CheckpointWriteError
+    from save itself, naming the checkpoint with the failure chained; its scratch directory is
+    removed and nothing is left pending."""
+    from purestep.distributed import checkpoint as module
+
+    ckpt.save(_small(1), tmp_path / "a")
+    oom = RuntimeError("cannot allocate memory (simulated)")
+
+    def stage(flat: Any) -> Any:
+        names = sorted(p.name.split(".tmp-")[0] for p in tmp_path.iterdir())
+        assert names == ["a", "b"]  # the scratch directory exists while staging
+        raise oom
+
+    monkeypatch.setattr(module, "_stage", stage)
+    with pytest.raises(ckpt.CheckpointWriteError) as info:
+        ckpt.save(_small(2), tmp_path / "b", async_=True)
+    assert str(info.value) == (
+        f"saving checkpoint {tmp_path / 'b'}: copying the state to CPU buffers failed: {oom}"
+    )
+    assert info.value.details() == {"path": tmp_path / "b", "file": None, "key": None}
+    assert info.value.__cause__ is oom
+    _only_previous_left(tmp_path)
+    COUNTS["failed staging copy"] += 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -112,3 +113,88 @@ def test_partial_load_verifies_what_it_reads(tmp_path: Path) -> None:
     donated = TensorDict({"params": {"critic": {"w": torch.zeros(4)}}}, [])
     ckpt.load(tmp_path / "c", like=donated, keys=["params.critic"], donate=True)
     assert torch.equal(donated["params", "critic", "w"], state["params", "critic", "w"])
+
+
+@pytest.mark.parametrize(
+    "bad", [(), ("ema", 1), 5, [b"ema"]], ids=["empty_tuple", "tuple_with_int", "int", "bytes"]
+)
+def test_keys_entries_must_be_dotted_str_or_non_empty_tuples_of_str(
+    tmp_path: Path, bad: object
+) -> None:
+    """A keys= entry that is neither a dotted str nor a non-empty sequence of str is refused
+    with a TypeError naming it (not joined into a prefix that silently selects nothing)."""
+    ckpt.save(_state(), tmp_path / "c")
+    for like in (None, TensorDict({"step": torch.tensor(0)}, [])):
+        with pytest.raises(TypeError) as info:
+            ckpt.load(tmp_path / "c", like=like, keys=["step", bad])  # type: ignore[list-item]
+        assert str(info.value) == (
+            f"load: keys entries must be dotted str or tuples of str, got {bad!r}"
+        )
+
+
+def test_a_prefix_that_selects_nothing_is_named_with_the_top_level_keys(tmp_path: Path) -> None:
+    """Prefixes select whole key-path components ('ema.stud' is not 'ema.student'); every
+    prefix that selects nothing is named in one CheckpointMismatchError (key: the first), with
+    the checkpoint's top-level keys, with or without ``like``."""
+    state = _state()
+    path = tmp_path / "c"
+    ckpt.save(state, path)
+    keys = ["params.student.w", "ema.stud", ("opt_state", "student", "mu"), "optim"]
+    like = TensorDict({"params": {"student": {"w": torch.zeros(3, 2)}}}, [])
+    for template in (None, like):
+        with pytest.raises(ckpt.CheckpointMismatchError) as info:
+            ckpt.load(path, like=template, keys=keys)
+        assert str(info.value) == (
+            f"checkpoint {path} has no key 'ema.stud', 'optim' (nor any under it); its "
+            "top-level keys are ['buffers', 'ema', 'opt_state', 'params', 'rng', 'step']"
+        )
+        assert info.value.details() == {"path": path, "file": None, "key": "ema.stud"}
+
+
+def test_load_needs_like_or_keys_and_a_donated_load_needs_like(tmp_path: Path) -> None:
+    """Without like= and keys= there is nothing to load into (TypeError); donate=True without
+    like= has no tensors to fill (ValueError); each message says what to pass."""
+    ckpt.save(_state(), tmp_path / "c")
+    with pytest.raises(TypeError) as info:
+        ckpt.load(tmp_path / "c")
+    assert str(info.value) == (
+        "load: pass like= (a template state), keys= (prefixes to load), or both"
+    )
+    msg = "load: donate=True needs like= (the tensors to load into)"
+    with pytest.raises(ValueError, match=f"^{re.escape(msg)}$"):
+        ckpt.load(tmp_path / "c", keys=["ema"], donate=True)
+
+
+@pytest.mark.parametrize("strict", [True, False], ids=["strict", "not_strict"])
+def test_a_like_with_non_tensor_leaves_is_refused_by_name(tmp_path: Path, strict: bool) -> None:
+    """A non-tensor leaf in like (strict or not) fails the load with a CheckpointStateError that
+    calls it part of `like` and names the leaf."""
+    ckpt.save(_state(), tmp_path / "c")
+    like = TensorDict({"step": torch.tensor(0)}, [])
+    like.set_non_tensor(("meta", "name"), "run-a")
+    with pytest.raises(ckpt.CheckpointStateError) as info:
+        ckpt.load(tmp_path / "c", like=like, strict=strict)
+    assert str(info.value) == (
+        "cannot checkpoint like: non-tensor leaves (a checkpoint holds tensors only; store "
+        "numbers as 0-dim tensors and other values in save(metadata=...)): meta.name "
+        "(non-tensor data: str)"
+    )
+
+
+def test_a_strict_false_mismatch_names_the_state_and_only_like_keys(tmp_path: Path) -> None:
+    """With strict=False the mismatch error lists like's missing and mis-shaped keys, says it is
+    about the state (not per-rank values), and never the checkpoint keys like lacks."""
+    path = tmp_path / "c"
+    ckpt.save(_state(), path)
+    like = TensorDict(
+        {"ema": {"critic": {"w": torch.zeros(4)}, "student": {"b": torch.zeros(3)}}}, []
+    )
+    with pytest.raises(ckpt.CheckpointMismatchError) as info:
+        ckpt.load(path, like=like, strict=False)
+    assert str(info.value) == (
+        f"checkpoint {path} does not match `like` (state):\n"
+        "  missing from the checkpoint (in like only): ema.critic.w\n"
+        "  mismatched shape or dtype: ema.student.b: checkpoint has (2,) float32, "
+        "like has (3,) float32"
+    )
+    assert info.value.details() == {"path": path, "file": None, "key": "ema.critic.w"}
