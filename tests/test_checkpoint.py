@@ -7,6 +7,7 @@ import errno
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -522,3 +523,197 @@ def test_sigkill_during_save_leaves_the_previous_checkpoint_latest(tmp_path: Pat
             )
         ckpt.prune(root, keep_last=1)
         assert [p.name for p in root.iterdir()] == [found.name]
+
+
+# -- save: return value, parents, scratch names, refused leaves ----------------------------
+
+
+def test_a_sync_save_returns_none_with_the_checkpoint_complete_and_an_async_one_a_handle(
+    tmp_path: Path,
+) -> None:
+    """save() without async_ returns None only once the checkpoint is complete and loadable;
+    save(async_=True) returns the SaveHandle whose wait() gives the checkpoint's path."""
+    assert ckpt.save(_small(1), tmp_path / "a") is None
+    assert ckpt.is_complete(tmp_path / "a")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a"]  # no scratch left
+    handle = ckpt.save(_small(2), tmp_path / "b", async_=True)
+    assert isinstance(handle, ckpt.SaveHandle)
+    assert handle.wait() == tmp_path / "b"
+    assert _same(ckpt.load(tmp_path / "b", like=_small(0)), _small(2))
+
+
+def test_save_creates_the_missing_parent_directories(tmp_path: Path) -> None:
+    """A checkpoint path under directories that do not exist yet is saved (parents created),
+    and so is one whose parent already exists."""
+    deep = tmp_path / "run" / "checkpoints" / "x"
+    ckpt.save(_small(1), ckpt.step_dir(deep, 1))
+    ckpt.save(_small(2), ckpt.step_dir(deep, 2))
+    assert ckpt.latest(deep) == ckpt.step_dir(deep, 2)
+    assert _same(ckpt.load(ckpt.step_dir(deep, 1), like=_small(0)), _small(1))
+
+
+def test_each_save_writes_into_a_fresh_token_named_scratch_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A save's scratch directory is `<name>.tmp-<token>`, its marker holds the same token (12
+    hex digits, new for every save), and the published checkpoint keeps that marker."""
+    from purestep.distributed import _ckpt_fs
+
+    real = _ckpt_fs.write_marker
+    made: list[tuple[Path, str]] = []
+
+    def spy(directory: Path, token: str) -> None:
+        made.append((directory, token))
+        real(directory, token)
+
+    monkeypatch.setattr(_ckpt_fs, "write_marker", spy)
+    for name in ("a", "b"):
+        ckpt.save(_small(1), tmp_path / name)
+    tokens = [t for _, t in made]
+    assert [d for d, _ in made] == [
+        tmp_path / f"a.tmp-{tokens[0]}",
+        tmp_path / f"b.tmp-{tokens[1]}",
+    ]
+    assert all(re.fullmatch("[0-9a-f]{12}", t) for t in tokens), tokens
+    assert tokens[0] != tokens[1]
+    assert [_ckpt_fs.marker_token(tmp_path / n) for n in "ab"] == tokens
+
+
+_NON_TENSOR = (
+    "non-tensor leaves (a checkpoint holds tensors only; store numbers as 0-dim tensors and "
+    "other values in save(metadata=...)): "
+)
+
+
+@pytest.mark.parametrize("part", ["state", "per_rank"])
+def test_a_non_tensor_leaf_fails_the_save_naming_the_argument_and_the_leaf(
+    tmp_path: Path, part: str
+) -> None:
+    """A non-tensor leaf in state or in per_rank fails the save before anything is written, with
+    a CheckpointStateError naming which argument holds it and the leaf."""
+    bad = TensorDict({"pos": torch.tensor(1)}, [])
+    bad.set_non_tensor(("loader", "name"), "shard-3")
+    state, per_rank = (bad, None) if part == "state" else (_small(1), bad)
+    with pytest.raises(ckpt.CheckpointStateError) as info:
+        ckpt.save(state, tmp_path / "c", per_rank=per_rank)
+    assert str(info.value) == (
+        f"cannot checkpoint {part}: {_NON_TENSOR}loader.name (non-tensor data: str)"
+    )
+    assert list(tmp_path.iterdir()) == []
+
+
+# -- load_per_rank -------------------------------------------------------------------------
+
+
+def _flip_record(path: Path, key: str) -> None:
+    """Damage the last data byte of ``key``'s record."""
+    md = ckpt.read_metadata(path)
+    (rec,) = [r for r in md["integrity"]["records"] if r["key"] == key]
+    f = path / rec["file"]
+    data = bytearray(f.read_bytes())
+    data[rec["offset"] + rec["length"] - 1] ^= 0xFF
+    f.write_bytes(bytes(data))
+
+
+def _reseal(path: Path, edit: Any) -> None:
+    """Rewrite ``path``'s metadata.json after ``edit(md)``, with a valid checksum of its own."""
+    from purestep.distributed._ckpt_integrity import seal
+
+    md = json.loads((path / ckpt.METADATA_FILE).read_text())
+    md.pop("checksum")
+    edit(md)
+    (path / ckpt.METADATA_FILE).write_bytes(seal(md))
+
+
+def _positions() -> TensorDict:
+    return TensorDict({"loader": {"pos": torch.tensor(123), "epoch": torch.tensor(2)}}, [])
+
+
+def test_load_per_rank_returns_fresh_tensors_unless_donated(tmp_path: Path) -> None:
+    """Without donate, load_per_rank leaves like unchanged and returns new tensors; with
+    donate=True it fills like's own tensors and returns like itself."""
+    ckpt.save(_small(1), tmp_path / "c", per_rank=_positions())
+    like = _positions().apply(torch.zeros_like)
+    pos = like["loader", "pos"]
+    out = ckpt.load_per_rank(tmp_path / "c", like=like)
+    assert _same(out, _positions())
+    assert _same(like, _positions().apply(torch.zeros_like))
+    assert out["loader", "pos"] is not pos
+    donated = ckpt.load_per_rank(tmp_path / "c", like=like, donate=True)
+    assert donated is like and like["loader", "pos"] is pos
+    assert _same(like, _positions())
+
+
+@pytest.mark.parametrize("donate", [False], ids=["fresh"])
+def test_a_damaged_per_rank_record_fails_load_per_rank_and_never_tears_like(
+    tmp_path: Path, donate: bool
+) -> None:
+    """A flipped byte in the last per-rank record fails load_per_rank (verified by default) with
+    a CheckpointCorruptError naming its key; a donated load leaves like bitwise unchanged (the
+    intact record read before it is not written into like either)."""
+    ckpt.save(_small(1), tmp_path / "c", per_rank=_positions())
+    md = ckpt.read_metadata(tmp_path / "c")
+    ranked = [r for r in md["integrity"]["records"] if r["key"].startswith("__rank_0__.")]
+    last = max(ranked, key=lambda r: r["offset"])["key"]
+    _flip_record(tmp_path / "c", last)
+    like = _positions().apply(torch.zeros_like)
+    with pytest.raises(ckpt.CheckpointCorruptError) as info:
+        ckpt.load_per_rank(tmp_path / "c", like=like, donate=donate)
+    assert info.value.key == last
+    assert _same(like, _positions().apply(torch.zeros_like))
+
+
+def test_per_rank_values_of_another_world_size_are_refused_naming_both(tmp_path: Path) -> None:
+    """Per-rank values saved on 2 ranks do not load on 1: CheckpointMismatchError naming the
+    checkpoint and both world sizes."""
+    ckpt.save(_small(1), tmp_path / "c", per_rank=_positions())
+    _reseal(tmp_path / "c", lambda md: md.update(world_size=2))
+    with pytest.raises(ckpt.CheckpointMismatchError) as info:
+        ckpt.load_per_rank(tmp_path / "c", like=_positions())
+    assert str(info.value) == (
+        f"checkpoint {tmp_path / 'c'} holds per-rank values of world size 2; they cannot be "
+        "loaded on world size 1"
+    )
+    assert info.value.details() == {"path": tmp_path / "c", "file": None, "key": None}
+
+
+@pytest.mark.parametrize("metadata", ["saved_without", "no_per_rank_keys"])
+def test_load_per_rank_of_a_checkpoint_without_per_rank_values_names_like_keys_missing(
+    tmp_path: Path, metadata: str
+) -> None:
+    """A checkpoint saved without per_rank (or whose metadata lists no per-rank keys at all) has
+    none for this rank: load_per_rank names every key of like as missing from it."""
+    ckpt.save(_small(1), tmp_path / "c")
+    if metadata == "no_per_rank_keys":
+        _reseal(tmp_path / "c", lambda md: md.pop("per_rank_keys"))
+    with pytest.raises(ckpt.CheckpointMismatchError) as info:
+        ckpt.load_per_rank(tmp_path / "c", like=_positions())
+    assert str(info.value) == (
+        f"checkpoint {tmp_path / 'c'} does not match `like` (per-rank values of rank 0):\n"
+        "  missing from the checkpoint (in like only): loader.pos, loader.epoch"
+    )
+
+
+@pytest.mark.parametrize("which", ["load", "load_per_rank"])
+def test_loads_read_exactly_the_dcp_metadata_bytes_they_verified(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, which: str
+) -> None:
+    """load and load_per_rank hand DCP the .metadata bytes they checked: damage to the file
+    right after the check does not reach the load, which returns what was saved."""
+    from purestep.distributed import _ckpt_read
+
+    ckpt.save(_small(1), tmp_path / "c", per_rank=_positions())
+    real = _ckpt_read.verify_metadata_file
+
+    def verify_then_damage(path: Path, md: Any) -> bytes:
+        data = real(path, md)
+        f = path / ".metadata"
+        f.write_bytes(f.read_bytes()[:-1] + b"\0")
+        return data
+
+    monkeypatch.setattr(_ckpt_read, "verify_metadata_file", verify_then_damage)
+    if which == "load":
+        assert _same(ckpt.load(tmp_path / "c", like=_small(0)), _small(1))
+    else:
+        like = _positions().apply(torch.zeros_like)
+        assert _same(ckpt.load_per_rank(tmp_path / "c", like=like), _positions())
