@@ -1652,6 +1652,7 @@ def _shift_step(k: int, *, scale: bool = True, extra: str = "", draw: bool = Fal
 @pytest.mark.parametrize(
     ("rtol", "atol", "shown"),
     [(None, None, "rtol=1e-05, atol=1e-06"), (1e-3, 0.5, "rtol=0.001, atol=0.5")],
+    ids=["defaults", "given"],
 )
 def test_accumulation_invariance_by_state_reports_each_k_state_then_metrics_with_the_tolerance(
     rtol: float | None, atol: float | None, shown: str
