@@ -613,11 +613,16 @@ def test_a_step_that_writes_into_the_module_gets_the_whole_message() -> None:
 
 
 def test_the_module_check_covers_every_state_dict_entry_whatever_its_name() -> None:
-    """Frozen params named ``x`` and `` x`` (a space): a step that writes into ``x`` is
-    caught, whichever entry's name looks like which."""
+    """Frozen params named ``x``, `` x`` (a space), ``0.x`` and ``0.xXX.XXy`` (in a
+    submodule ``xXX`` of ``0``): entries are keyed by their dotted path only, so none hides
+    or nests into another, and a step that writes into ``x`` is caught."""
     net = _mlp()
-    net.register_parameter("x", nn.Parameter(torch.zeros(2), requires_grad=False))
-    net.register_parameter(" x", nn.Parameter(torch.ones(2), requires_grad=False))
+    frozen = {"x": torch.zeros(2), " x": torch.ones(2)}
+    for name, value in frozen.items():
+        net.register_parameter(name, nn.Parameter(value, requires_grad=False))
+    net[0].register_parameter("x", nn.Parameter(torch.ones(1), requires_grad=False))
+    net[0].add_module("xXX", nn.Module())
+    net[0].xXX.register_parameter("XXy", nn.Parameter(torch.ones(1), requires_grad=False))
     inner = ps.train_step(ps.value_and_grad(_loss_fn(net, _mse)), {"model": optim.sgd(0.1)})
 
     def leaky(state: TensorDictBase, batch: Any) -> Any:
