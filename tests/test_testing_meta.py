@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import tempfile
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -27,8 +28,10 @@ from torch import nn
 import purestep as ps
 from _ids import safe_id
 from purestep import optim, testing
+from purestep.testing import _compare as testing_compare
 from purestep.testing import _steps as testing_steps
-from purestep.testing._global_rng import RngWatch, global_rng_states
+from purestep.testing import checks as testing_checks
+from purestep.testing._global_rng import ADVICE, RngWatch, global_rng_states
 
 StepFn = Callable[[TensorDictBase, Any], tuple[TensorDictBase, TensorDictBase]]
 
@@ -874,14 +877,16 @@ def test_assert_resume_exact_accepts_save_at_from_0_to_the_batch_count_only(
 def test_assert_resume_exact_gives_save_fn_a_fresh_target_and_load_fn_the_saved_structure(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """save_fn gets a path that does not exist yet, in an empty private directory that is
-    removed afterwards (nothing is written to the working directory); load_fn gets the same
-    path and ``like=`` the state that was saved."""
+    """save_fn gets a path ``<empty private temporary directory>/ckpt`` that does not exist
+    yet, the directory removed afterwards (nothing is written to the working directory);
+    load_fn gets the same path and ``like=`` the state that was saved."""
     monkeypatch.chdir(tmp_path)
     seen: dict[str, Any] = {}
 
     def save(s: TensorDictBase, path: str) -> None:
         assert not os.path.exists(path)
+        assert os.path.basename(path) == "ckpt"
+        assert os.path.dirname(os.path.dirname(path)) == tempfile.gettempdir()
         assert os.listdir(os.path.dirname(path)) == []
         seen["path"], seen["saved"] = path, s.clone()
 
@@ -1164,6 +1169,12 @@ def test_assert_resume_exact_names_a_load_that_adds_a_key_exactly() -> None:
             "2, max rel diff 0.667",
         ),
         (torch.tensor([5]), torch.tensor([-3]), "8, max rel diff 2.67"),
+        (torch.tensor([True, False]), torch.tensor([True, True]), "1, max rel diff 1"),
+        (
+            torch.tensor([1.0, 2.0], dtype=torch.float16),
+            torch.tensor([0.0, 2.0], dtype=torch.float16),
+            "1, max rel diff 1e+30",
+        ),
         (
             torch.tensor([float("inf")]),
             torch.tensor([1.0]),
@@ -1175,7 +1186,9 @@ def test_tree_comparisons_report_integer_and_non_finite_differences_exactly(
     actual: torch.Tensor, expected: torch.Tensor, diffs: str
 ) -> None:
     """The max abs/rel difference is computed in float64 (an unsigned difference does not
-    wrap around) and is NaN when no element's difference is finite."""
+    wrap around, a bool leaf can be subtracted, the relative difference's denominator is
+    clamped at 1e-30 even for a float16 zero, where 1e-30 underflows) and is NaN when no
+    element's difference is finite."""
     lines = _message(lambda: testing.assert_trees_equal({"t": actual}, {"t": expected}))
     assert lines == [f"trees: first difference at t (not bitwise equal): max abs diff {diffs}"]
 
@@ -1331,25 +1344,41 @@ def test_accumulation_invariance_records_non_finite_gradients_of_a_skipping_step
 
 
 @pytest.mark.parametrize(
-    ("actual", "expected", "odd"),
+    ("actual", "expected", "diffs"),
     [
-        ([float("nan"), 1.0, 2.0], [1.0, 1.0, 2.0], 1),
-        ([float("inf"), 1.0, float("nan")], [float("-inf"), 1.0, 5.0], 2),
-        ([float("inf"), float("nan"), 3.0], [float("inf"), float("nan"), 2.0], 0),
+        (
+            [float("nan"), 1.0, 2.0],
+            [1.0, 1.0, 2.0],
+            "max abs diff 0, max rel diff 0; 1 of 3 entries differ by a non-finite amount "
+            "(NaN or inf)",
+        ),
+        (
+            [float("inf"), 1.0, float("nan")],
+            [float("-inf"), 1.0, 5.0],
+            "max abs diff 0, max rel diff 0; 2 of 3 entries differ by a non-finite amount "
+            "(NaN or inf)",
+        ),
+        (
+            [float("inf"), float("nan"), 3.0],
+            [float("inf"), float("nan"), 2.0],
+            "max abs diff 1, max rel diff 0.5",
+        ),
     ],
 )
 def test_comparisons_count_entries_that_differ_by_a_non_finite_amount(
-    actual: list[float], expected: list[float], odd: int
+    actual: list[float], expected: list[float], diffs: str
 ) -> None:
     """A NaN or inf on one side only (or infinities of opposite sign) is counted in the
     message, so a leaf whose finite entries agree is not reported as differing by 0; equal
-    infinities and NaN against NaN are not counted."""
+    infinities and NaN against NaN are not counted (nor used for the max differences)."""
     a = TensorDict({"w": torch.tensor(actual)}, [])
     b = TensorDict({"w": torch.tensor(expected)}, [])
-    for check in (testing.assert_trees_close, testing.assert_trees_equal):
-        text = "\n".join(_message(lambda check=check: check(a, b)))
-        counted = f"{odd} of 3 entries differ by a non-finite amount" in text
-        assert counted == (odd > 0), text
+    assert _message(lambda: testing.assert_trees_equal(a, b)) == [
+        f"trees: first difference at w (not bitwise equal): {diffs}"
+    ]
+    assert _message(lambda: testing.assert_trees_close(a, b)) == [
+        f"trees: first difference at w: {diffs} (rtol=None, atol=None)"
+    ]
 
 
 @attrs.frozen
@@ -1444,6 +1473,136 @@ def test_accumulation_invariance_refuses_a_make_step_whose_optimizer_depends_on_
         )
 
 
+# --- global generators on CUDA (faked on CPU), the comparisons' defaults, the default save -----
+
+
+class _FakeCuda:
+    """``torch.cuda``'s generator API on CPU: ``devices`` generators whose states a test sets.
+
+    ``install`` patches ``is_available``/``is_initialized``/``device_count``/``get_rng_state``;
+    ``get_rng_state(i)`` needs a device index (``None`` is refused, as an index of a list).
+    """
+
+    def __init__(self, devices: int, *, available: bool = True, initialised: bool = True) -> None:
+        self.states = [torch.full((4,), 10 * i, dtype=torch.uint8) for i in range(devices)]
+        self.available = available
+        self.initialised = initialised
+
+    def install(self, mp: pytest.MonkeyPatch) -> None:
+        mp.setattr(torch.cuda, "is_available", lambda: self.available)
+        mp.setattr(torch.cuda, "is_initialized", lambda: self.initialised)
+        mp.setattr(torch.cuda, "device_count", lambda: len(self.states))
+        mp.setattr(torch.cuda, "get_rng_state", lambda i: self.states[i].clone())
+
+    def draw(self, i: int) -> None:
+        self.states[i] = self.states[i] + 1
+
+
+@pytest.mark.parametrize("available", [True, False])
+@pytest.mark.parametrize("initialised", [True, False])
+def test_global_rng_states_hold_every_cuda_generator_only_when_cuda_is_available_and_initialised(
+    available: bool, initialised: bool
+) -> None:
+    """``global_rng_states()`` is ``{"cpu": ...}`` plus ``"cuda:i"`` -> device i's state for
+    every device, exactly when CUDA is both available and initialised."""
+    fake = _FakeCuda(2, available=available, initialised=initialised)
+    with pytest.MonkeyPatch.context() as mp:
+        fake.install(mp)
+        states = global_rng_states()
+    cuda = {"cuda:0": fake.states[0], "cuda:1": fake.states[1]}
+    expected = {"cpu": torch.get_rng_state(), **(cuda if available and initialised else {})}
+    assert list(states) == list(expected)
+    for name, s in expected.items():
+        assert torch.equal(states[name], s), name
+
+
+@settings(max_examples=16, deadline=None)
+@given(drawn=st.lists(st.sets(st.sampled_from(["cpu", "cuda:0", "cuda:1"])), max_size=4))
+def test_rng_watch_names_every_generator_a_call_changed_cuda_ones_included(
+    drawn: list[set[str]],
+) -> None:
+    """With two (fake) CUDA devices, each call that changed generators is noted as
+    ``"<where> (the <g1> and <g2> generator)"`` (generators in cpu, cuda:0, cuda:1 order),
+    calls that changed none are not, and the hint names the first and counts the others."""
+    fake = _FakeCuda(2)
+    order = ["cpu", "cuda:0", "cuda:1"]
+
+    def body(names: set[str]) -> int:
+        if "cpu" in names:
+            torch.rand(1)
+        for i in (0, 1):
+            if f"cuda:{i}" in names:
+                fake.draw(i)
+        return len(names)
+
+    w = RngWatch()
+    with pytest.MonkeyPatch.context() as mp:
+        fake.install(mp)
+        outs = [w.call(f"call {j}", body, names) for j, names in enumerate(drawn)]
+    assert outs == [len(names) for names in drawn]
+    noted = [
+        f"call {j} (the {' and '.join(g for g in order if g in names)} generator)"
+        for j, names in enumerate(drawn)
+        if names
+    ]
+    assert w.consumed == noted
+    if not noted:
+        assert w.hint() == ""
+        return
+    more = len(noted) - 1
+    where = noted[0] + (f" and {more} more step call{'s' if more > 1 else ''}" if more else "")
+    assert w.hint() == (
+        ". Likely cause: the step drew from torch's global RNG (its state changed during "
+        f"{where}), so repeated calls differ; {ADVICE}"
+    )
+
+
+def test_rng_watch_ignores_a_cuda_generator_initialised_during_the_call() -> None:
+    """A generator that appears during a call (CUDA initialised by it) has no state before the
+    call to compare with: the call is not noted, and one that then draws from it is."""
+    fake = _FakeCuda(1, initialised=False)
+
+    def init_cuda() -> None:
+        fake.initialised = True
+
+    w = RngWatch()
+    with pytest.MonkeyPatch.context() as mp:
+        fake.install(mp)
+        w.call("init", init_cuda)
+        w.call("draw", fake.draw, 0)
+    assert w.consumed == ["draw (the cuda:0 generator)"]
+
+
+@pytest.mark.parametrize("close", [False, True])
+def test_failure_lists_call_the_compared_trees_trees_unless_told_what_they_are(
+    close: bool,
+) -> None:
+    """``equal_failures``/``close_failures`` without ``what=`` name the compared trees "trees"
+    in a key-structure error, which lists the paths only in each side."""
+    a, b = {"w": torch.ones(1), "u": torch.ones(1)}, {"v": torch.ones(1), "u": torch.ones(1)}
+    failures: Callable[[], Any] = (
+        (lambda: testing_compare.close_failures(a, b, rtol=None, atol=None))
+        if close
+        else (lambda: testing_compare.equal_failures(a, b))
+    )
+    assert _message(failures) == [
+        "trees: key structure differs; only in expected: ['v']; only in actual: ['w']"
+    ]
+
+
+def test_default_save_reuses_an_existing_directory_and_load_reads_the_last_save(
+    tmp_path: Any,
+) -> None:
+    """assert_resume_exact's default ``save_fn`` creates the directory or writes into an
+    existing one (a second save overwrites the first); its ``load_fn`` reads that back."""
+    first = TensorDict({"w": torch.arange(3.0)}, [])
+    target = str(tmp_path / "ckpt")
+    testing_checks._torch_save(first, target)
+    testing_checks._torch_save(first * 2, target)
+    loaded = testing_checks._torch_load(target, like=first)
+    testing.assert_trees_equal(loaded, first * 2)
+
+
 # --- assert_accumulation_invariant: whole messages, tolerances, the gradient recorders --------
 
 
@@ -1530,8 +1689,6 @@ def test_accumulation_invariance_by_gradients_fails_exactly_when_no_role_was_due
 
 
 def _advice(where: str) -> str:
-    from purestep.testing._global_rng import ADVICE
-
     return (
         f". Likely cause: the step drew from torch's global RNG (its state changed during "
         f"{where}), so repeated calls differ; {ADVICE}"
