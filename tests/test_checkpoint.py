@@ -388,6 +388,41 @@ def test_per_rank_values_round_trip_in_one_process(tmp_path: Path) -> None:
         )
 
 
+def test_per_rank_values_load_into_fresh_tensors_unless_donated(tmp_path: Path) -> None:
+    """load_per_rank leaves like untouched and returns new tensors (donate=False is the
+    default); donate=True fills like's own tensors and returns like."""
+    pos = TensorDict({"loader": {"pos": torch.tensor(123)}}, [])
+    ckpt.save(_small(1), tmp_path / "c", per_rank=pos)
+    like = pos.apply(torch.zeros_like)
+    out = ckpt.load_per_rank(tmp_path / "c", like=like)
+    assert _same(out, pos) and out is not like
+    assert int(like["loader", "pos"]) == 0 and out["loader", "pos"] is not like["loader", "pos"]
+    kept = like["loader", "pos"]
+    assert ckpt.load_per_rank(tmp_path / "c", like=like, donate=True) is like
+    assert like["loader", "pos"] is kept and int(kept) == 123
+
+
+def test_per_rank_values_of_another_world_size_are_refused_naming_both(tmp_path: Path) -> None:
+    """Per-rank values saved on another world size (metadata.json says 2; this is 1) raise
+    CheckpointMismatchError with both sizes and the checkpoint's path."""
+    from purestep.distributed import _ckpt_integrity
+
+    p = tmp_path / "c"
+    pos = TensorDict({"pos": torch.tensor(3)}, [])
+    ckpt.save(_small(1), p, per_rank=pos)
+    md = json.loads((p / ckpt.METADATA_FILE).read_bytes())
+    md["world_size"] = 2
+    (p / ckpt.METADATA_FILE).write_bytes(_ckpt_integrity.seal(md))
+    with pytest.raises(ckpt.CheckpointMismatchError) as e:
+        ckpt.load_per_rank(p, like=pos.apply(torch.zeros_like))
+    assert str(e.value) == (
+        f"checkpoint {p} holds per-rank values of world size 2; "
+        "they cannot be loaded on world size 1"
+    )
+    assert e.value.path == p
+    assert _same(ckpt.load(p, like=_small(0)), _small(1))  # the state itself still loads
+
+
 # -- crash safety --------------------------------------------------------------------------
 
 # One child imports torch once, then forks one saver per run (importing torch per run would

@@ -98,6 +98,7 @@ def _generic_variants(td: TensorDict) -> dict[str, TensorDictBase]:
         "subclass": top,
         # plain leaves first, then a node the fast walk must give up on
         "subclass_below_plain": TensorDict({"head": torch.ones(2), "mid": td, "sub": top}, []),
+        "subclass_first": TensorDict({"sub": top, "tail": torch.ones(2)}, []),
         "lazy_stack": lazy,
         "lazy_below_plain": TensorDict({"head": torch.ones(2), "mid": td, "lazy": lazy}, []),
     }
