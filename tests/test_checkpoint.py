@@ -423,6 +423,76 @@ def test_per_rank_values_of_another_world_size_are_refused_naming_both(tmp_path:
     assert _same(ckpt.load(p, like=_small(0)), _small(1))  # the state itself still loads
 
 
+def test_load_per_rank_names_every_key_the_checkpoint_lacks_for_this_rank(tmp_path: Path) -> None:
+    """Without per-rank values (or without per_rank_keys in metadata.json at all), or with
+    other ones, load_per_rank raises one CheckpointMismatchError naming rank and keys."""
+    from purestep.distributed import _ckpt_integrity
+
+    like = TensorDict({"pos": torch.tensor(0), "n": {"e": torch.tensor(0)}}, [])
+    bare, other = tmp_path / "bare", tmp_path / "other"
+    ckpt.save(_small(1), bare)
+    ckpt.save(_small(1), other, per_rank=TensorDict({"pos": torch.tensor(3)}, []))
+    head = "does not match `like` (per-rank values of rank 0):\n  missing from the checkpoint"
+    with pytest.raises(ckpt.CheckpointMismatchError) as e:
+        ckpt.load_per_rank(other, like=like)
+    assert str(e.value) == f"checkpoint {other} {head} (in like only): n.e"
+    for drop_field in (False, True):
+        if drop_field:
+            md = json.loads((bare / ckpt.METADATA_FILE).read_bytes())
+            del md["per_rank_keys"]
+            (bare / ckpt.METADATA_FILE).write_bytes(_ckpt_integrity.seal(md))
+        with pytest.raises(ckpt.CheckpointMismatchError) as e:
+            ckpt.load_per_rank(bare, like=like)
+        assert str(e.value) == f"checkpoint {bare} {head} (in like only): pos, n.e"
+
+
+def test_every_save_writes_into_its_own_marked_scratch_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A save writes into <name>.tmp-<12 hex digits>, marked with that token; two saves
+    draw different tokens."""
+    import re
+
+    from purestep.distributed import _ckpt_fs
+
+    seen: list[tuple[Path, str, str | None]] = []
+    real = ckpt._write
+
+    def spy(flat: Any, tmp: Path, target: Path, token: str, *rest: Any) -> Any:
+        seen.append((tmp, token, _ckpt_fs.marker_token(tmp)))
+        return real(flat, tmp, target, token, *rest)
+
+    monkeypatch.setattr(ckpt, "_write", spy)
+    for name in ("a", "b"):
+        ckpt.save(_small(1), tmp_path / name)
+    assert [t.parent for t, _, _ in seen] == [tmp_path, tmp_path]
+    for (tmp, token, marked), name in zip(seen, "ab", strict=True):
+        assert re.fullmatch(r"[0-9a-f]{12}", token), token
+        assert tmp.name == f"{name}.tmp-{token}" and marked == token
+    assert seen[0][1] != seen[1][1]
+
+
+def test_a_failed_token_collective_fails_the_save_before_anything_is_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """If agreeing on the scratch token fails, save raises CheckpointWriteError naming the
+    checkpoint and the failure (chained), and leaves no directory behind."""
+    boom = RuntimeError("peer 1 is gone")
+
+    def gather(group: Any, value: Any) -> list[Any]:
+        raise boom
+
+    monkeypatch.setattr(ckpt, "_gather", gather)
+    target = tmp_path / "c"
+    with pytest.raises(ckpt.CheckpointWriteError) as e:
+        ckpt.save(_small(1), target)
+    assert str(e.value) == (
+        f"saving checkpoint {target}: a collective with the other ranks failed: peer 1 is gone"
+    )
+    assert e.value.path == target and e.value.__cause__ is boom
+    assert list(tmp_path.iterdir()) == []
+
+
 # -- crash safety --------------------------------------------------------------------------
 
 # One child imports torch once, then forks one saver per run (importing torch per run would
