@@ -493,6 +493,29 @@ def test_a_failed_token_collective_fails_the_save_before_anything_is_written(
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("donate", [False, True], ids=["fresh", "donated"])
+def test_a_damaged_per_rank_record_fails_its_load_and_leaves_like_unchanged(
+    tmp_path: Path, donate: bool
+) -> None:
+    """load_per_rank verifies every record it reads (by default); a donated load checks them
+    all before writing, so like keeps its values."""
+    p = tmp_path / "c"
+    pos = TensorDict({"a": torch.arange(4), "b": torch.arange(8)}, [])
+    ckpt.save(_small(1), p, per_rank=pos)
+    md = json.loads((p / ckpt.METADATA_FILE).read_bytes())
+    (rec,) = [r for r in md["integrity"]["records"] if r["key"].endswith(".b")]
+    f = p / rec["file"]
+    data = bytearray(f.read_bytes())
+    data[rec["offset"] + rec["length"] - 1] ^= 0xFF
+    f.write_bytes(bytes(data))
+    like = pos.apply(torch.zeros_like)
+    with pytest.raises(ckpt.CheckpointCorruptError, match="fails its xxh3_64 checksum"):
+        ckpt.load_per_rank(p, like=like, donate=donate)
+    assert not like["a"].any() and not like["b"].any()
+    out = ckpt.load_per_rank(p, like=like, verify=False)
+    assert torch.equal(out["a"], pos["a"]) and not torch.equal(out["b"], pos["b"])
+
+
 # -- crash safety --------------------------------------------------------------------------
 
 # One child imports torch once, then forks one saver per run (importing torch per run would
