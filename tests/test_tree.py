@@ -135,6 +135,7 @@ def test_trees_the_fast_walk_cannot_read_give_the_tensordict_api_paths_and_leave
         assert _api_paths(out) == want_paths, name
         assert all(torch.equal(a, b) for a, b in zip(out.values(True, True), new, strict=True))
         mapped, mls = tree.map_with_leaves(g, lambda t: t * 2)
+        assert type(mapped) is type(g), name
         assert _api_paths(mapped) == want_paths, name
         assert all(torch.equal(a, b * 2) for a, b in zip(mls, want, strict=True)), name
         assert all(a is b for a, b in zip(mapped.values(True, True), mls, strict=True)), name
@@ -297,6 +298,10 @@ def test_merge_is_the_union_in_order_and_names_the_path_both_trees_have() -> Non
         ("bn", "y"),
         ("fc",),
     ]
+    lazy = LazyStackedTensorDict(_td({"q": t[5]}), _td({"q": t[4]}), stack_dim=0)
+    lm = tree.merge(a, _td({"lz": lazy}))
+    assert tree.paths(lm) == [("bn", "weight"), ("fc",), ("lz", "q")]
+    assert tree.paths(tree.merge(lazy, _td({"r": t[0]}))) == [("q",), ("r",)]
     overlap = _td({"bn": {"weight": t[5]}, "z": t[5]})
     with pytest.raises(ValueError, match=_full("trees: both trees have 'bn.weight'")):
         tree.merge(a, overlap)
