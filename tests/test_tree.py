@@ -448,3 +448,10 @@ def test_clone_and_zeros_like_give_fresh_buffers_of_the_same_structure() -> None
     assert tree.paths(z) == tree.paths(td)
     for x, y in zip(tree.leaves(z), tree.leaves(td), strict=True):
         assert x.dtype == y.dtype and x.shape == y.shape and not x.any()
+
+
+def test_trees_without_leaves_have_no_paths_leaves_or_first_leaf() -> None:
+    """Empty trees, plain or not (also with empty subtrees): [] paths and leaves, first_leaf None."""
+    for td in (_td({}), _td({"e": {}}), _SubTD({}, []), _SubTD({"e": {}}, [])):
+        assert tree.paths(td) == [] and tree.leaves(td) == []
+        assert tree.first_leaf(td) is None
