@@ -388,6 +388,134 @@ def test_per_rank_values_round_trip_in_one_process(tmp_path: Path) -> None:
         )
 
 
+def test_per_rank_values_load_into_fresh_tensors_unless_donated(tmp_path: Path) -> None:
+    """load_per_rank leaves like untouched and returns new tensors (donate=False is the
+    default); donate=True fills like's own tensors and returns like."""
+    pos = TensorDict({"loader": {"pos": torch.tensor(123)}}, [])
+    ckpt.save(_small(1), tmp_path / "c", per_rank=pos)
+    like = pos.apply(torch.zeros_like)
+    out = ckpt.load_per_rank(tmp_path / "c", like=like)
+    assert _same(out, pos) and out is not like
+    assert int(like["loader", "pos"]) == 0 and out["loader", "pos"] is not like["loader", "pos"]
+    kept = like["loader", "pos"]
+    assert ckpt.load_per_rank(tmp_path / "c", like=like, donate=True) is like
+    assert like["loader", "pos"] is kept and int(kept) == 123
+
+
+def test_per_rank_values_of_another_world_size_are_refused_naming_both(tmp_path: Path) -> None:
+    """Per-rank values saved on another world size (metadata.json says 2; this is 1) raise
+    CheckpointMismatchError with both sizes and the checkpoint's path."""
+    from purestep.distributed import _ckpt_integrity
+
+    p = tmp_path / "c"
+    pos = TensorDict({"pos": torch.tensor(3)}, [])
+    ckpt.save(_small(1), p, per_rank=pos)
+    md = json.loads((p / ckpt.METADATA_FILE).read_bytes())
+    md["world_size"] = 2
+    (p / ckpt.METADATA_FILE).write_bytes(_ckpt_integrity.seal(md))
+    with pytest.raises(ckpt.CheckpointMismatchError) as e:
+        ckpt.load_per_rank(p, like=pos.apply(torch.zeros_like))
+    assert str(e.value) == (
+        f"checkpoint {p} holds per-rank values of world size 2; "
+        "they cannot be loaded on world size 1"
+    )
+    assert e.value.path == p
+    assert _same(ckpt.load(p, like=_small(0)), _small(1))  # the state itself still loads
+
+
+def test_load_per_rank_names_every_key_the_checkpoint_lacks_for_this_rank(tmp_path: Path) -> None:
+    """Without per-rank values (or without per_rank_keys in metadata.json at all), or with
+    other ones, load_per_rank raises one CheckpointMismatchError naming rank and keys."""
+    from purestep.distributed import _ckpt_integrity
+
+    like = TensorDict({"pos": torch.tensor(0), "n": {"e": torch.tensor(0)}}, [])
+    bare, other = tmp_path / "bare", tmp_path / "other"
+    ckpt.save(_small(1), bare)
+    ckpt.save(_small(1), other, per_rank=TensorDict({"pos": torch.tensor(3)}, []))
+    head = "does not match `like` (per-rank values of rank 0):\n  missing from the checkpoint"
+    with pytest.raises(ckpt.CheckpointMismatchError) as e:
+        ckpt.load_per_rank(other, like=like)
+    assert str(e.value) == f"checkpoint {other} {head} (in like only): n.e"
+    for drop_field in (False, True):
+        if drop_field:
+            md = json.loads((bare / ckpt.METADATA_FILE).read_bytes())
+            del md["per_rank_keys"]
+            (bare / ckpt.METADATA_FILE).write_bytes(_ckpt_integrity.seal(md))
+        with pytest.raises(ckpt.CheckpointMismatchError) as e:
+            ckpt.load_per_rank(bare, like=like)
+        assert str(e.value) == f"checkpoint {bare} {head} (in like only): pos, n.e"
+
+
+def test_every_save_writes_into_its_own_marked_scratch_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A save writes into <name>.tmp-<12 hex digits>, marked with that token; two saves
+    draw different tokens."""
+    import re
+
+    from purestep.distributed import _ckpt_fs
+
+    seen: list[tuple[Path, str, str | None]] = []
+    real = ckpt._write
+
+    def spy(flat: Any, tmp: Path, target: Path, token: str, *rest: Any) -> Any:
+        seen.append((tmp, token, _ckpt_fs.marker_token(tmp)))
+        return real(flat, tmp, target, token, *rest)
+
+    monkeypatch.setattr(ckpt, "_write", spy)
+    for name in ("a", "b"):
+        ckpt.save(_small(1), tmp_path / name)
+    assert [t.parent for t, _, _ in seen] == [tmp_path, tmp_path]
+    for (tmp, token, marked), name in zip(seen, "ab", strict=True):
+        assert re.fullmatch(r"[0-9a-f]{12}", token), token
+        assert tmp.name == f"{name}.tmp-{token}" and marked == token
+    assert seen[0][1] != seen[1][1]
+
+
+def test_a_failed_token_collective_fails_the_save_before_anything_is_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """If agreeing on the scratch token fails, save raises CheckpointWriteError naming the
+    checkpoint and the failure (chained), and leaves no directory behind."""
+    boom = RuntimeError("peer 1 is gone")
+
+    def gather(group: Any, value: Any) -> list[Any]:
+        raise boom
+
+    monkeypatch.setattr(ckpt, "_gather", gather)
+    target = tmp_path / "c"
+    with pytest.raises(ckpt.CheckpointWriteError) as e:
+        ckpt.save(_small(1), target)
+    assert str(e.value) == (
+        f"saving checkpoint {target}: a collective with the other ranks failed: peer 1 is gone"
+    )
+    assert e.value.path == target and e.value.__cause__ is boom
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("donate", [False, True], ids=["fresh", "donated"])
+def test_a_damaged_per_rank_record_fails_its_load_and_leaves_like_unchanged(
+    tmp_path: Path, donate: bool
+) -> None:
+    """load_per_rank verifies every record it reads (by default); a donated load checks them
+    all before writing, so like keeps its values."""
+    p = tmp_path / "c"
+    pos = TensorDict({"a": torch.arange(4), "b": torch.arange(8)}, [])
+    ckpt.save(_small(1), p, per_rank=pos)
+    md = json.loads((p / ckpt.METADATA_FILE).read_bytes())
+    (rec,) = [r for r in md["integrity"]["records"] if r["key"].endswith(".b")]
+    f = p / rec["file"]
+    data = bytearray(f.read_bytes())
+    data[rec["offset"] + rec["length"] - 1] ^= 0xFF
+    f.write_bytes(bytes(data))
+    like = pos.apply(torch.zeros_like)
+    with pytest.raises(ckpt.CheckpointCorruptError, match="fails its xxh3_64 checksum"):
+        ckpt.load_per_rank(p, like=like, donate=donate)
+    assert not like["a"].any() and not like["b"].any()
+    out = ckpt.load_per_rank(p, like=like, verify=False)
+    assert torch.equal(out["a"], pos["a"]) and not torch.equal(out["b"], pos["b"])
+
+
 # -- crash safety --------------------------------------------------------------------------
 
 # One child imports torch once, then forks one saver per run (importing torch per run would

@@ -176,3 +176,53 @@ def _save_and_wait(state: TensorDict, path: Path, async_: bool) -> None:
     handle = ckpt.save(state, path, async_=async_)
     if handle is not None:
         handle.wait()
+
+
+def _reseal(path: Path, edit: Any) -> None:
+    """Apply ``edit`` to the checkpoint's parsed metadata.json and write it back, sealed anew
+    (a well-formed metadata.json saying something else, not a damaged one)."""
+    from purestep.distributed import _ckpt_integrity
+
+    md = json.loads((path / ckpt.METADATA_FILE).read_bytes())
+    edit(md)
+    (path / ckpt.METADATA_FILE).write_bytes(_ckpt_integrity.seal(md))
+
+
+def test_verify_summarises_what_it_checked(tmp_path: Path) -> None:
+    """verify's summary: the path, the step, the algorithm metadata.json records (xxh3_64 when
+    it records none), the data files and DCP's .metadata, every record (per-rank ones too), the
+    record bytes read, and a duration within the call's own."""
+    import time
+
+    p = tmp_path / "c"
+    state = TensorDict({"w": torch.arange(6.0), "n": {"b": torch.ones(3)}, "step": torch.tensor(5)})
+    ckpt.save(state, p, per_rank=TensorDict({"pos": torch.tensor(3)}, []))
+    records = ckpt.read_metadata(p)["integrity"]["records"]
+    t0 = time.perf_counter()
+    s = ckpt.verify(p)
+    elapsed = time.perf_counter() - t0
+    assert set(s) == {"path", "step", "algorithm", "files", "records", "bytes", "seconds"}
+    assert (s["path"], s["step"], s["algorithm"]) == (str(p), 5, "xxh3_64")
+    assert (s["files"], s["records"]) == (2, 4)  # __0_0.distcp and .metadata; 3 + 1 keys
+    assert s["bytes"] == sum(r["length"] for r in records) > 0
+    assert 0 <= s["seconds"] <= elapsed
+    _reseal(p, lambda md: md["integrity"].update(algorithm="xxh3_64 (as recorded)"))
+    assert ckpt.verify(p)["algorithm"] == "xxh3_64 (as recorded)"
+    _reseal(p, lambda md: md["integrity"].pop("algorithm"))
+    assert ckpt.verify(p)["algorithm"] == "xxh3_64"
+
+
+def test_verify_names_a_data_file_of_the_wrong_size(tmp_path: Path) -> None:
+    """verify raises CheckpointCorruptError with the checkpoint, the file and its sizes."""
+    p = tmp_path / "c"
+    ckpt.save(_small(1), p)
+    f = p / "__0_0.distcp"
+    size = f.stat().st_size
+    f.write_bytes(f.read_bytes()[:-1])
+    with pytest.raises(ckpt.CheckpointCorruptError) as e:
+        ckpt.verify(p)
+    assert str(e.value) == (
+        f"checkpoint {p} is damaged: data file __0_0.distcp has {size - 1} bytes, "
+        f"{size} were written"
+    )
+    assert (e.value.path, e.value.file) == (p, "__0_0.distcp")

@@ -112,3 +112,28 @@ def test_partial_load_verifies_what_it_reads(tmp_path: Path) -> None:
     donated = TensorDict({"params": {"critic": {"w": torch.zeros(4)}}}, [])
     ckpt.load(tmp_path / "c", like=donated, keys=["params.critic"], donate=True)
     assert torch.equal(donated["params", "critic", "w"], state["params", "critic", "w"])
+
+
+@pytest.mark.parametrize("bad", [(), ("params", 1), 3, []], ids=["empty", "non_str", "int", "list"])
+def test_a_keys_entry_that_is_no_prefix_is_refused_by_name(tmp_path: Path, bad: object) -> None:
+    """keys entries must be dotted strings or non-empty sequences of strings; anything else
+    (an empty tuple too, which would select everything) is a TypeError that shows it."""
+    ckpt.save(_state(), tmp_path / "c")
+    with pytest.raises(TypeError) as e:
+        ckpt.load(tmp_path / "c", keys=["step", bad])  # type: ignore[list-item]
+    assert str(e.value) == f"load: keys entries must be dotted str or tuples of str, got {bad!r}"
+
+
+def test_a_partial_load_without_like_refuses_an_unknown_dtype_by_key(tmp_path: Path) -> None:
+    """A metadata.json naming a dtype this torch lacks fails the template with its key."""
+    from purestep.distributed import _ckpt_integrity
+
+    p = tmp_path / "c"
+    ckpt.save(_state(), p)
+    md = json.loads((p / ckpt.METADATA_FILE).read_bytes())
+    md["keys"]["ema.student.w"]["dtype"] = "float99"
+    (p / ckpt.METADATA_FILE).write_bytes(_ckpt_integrity.seal(md))
+    with pytest.raises(ckpt.CheckpointFormatError) as e:
+        ckpt.load(p, keys=["ema"])
+    assert str(e.value) == "load: unknown dtype 'float99' of key 'ema.student.w'"
+    testing.assert_trees_equal(ckpt.load(p, keys=["step"]), TensorDict({"step": torch.tensor(7)}))
