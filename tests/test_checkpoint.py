@@ -7,7 +7,6 @@ import errno
 import json
 import os
 import random
-import re
 import signal
 import subprocess
 import sys
@@ -389,6 +388,134 @@ def test_per_rank_values_round_trip_in_one_process(tmp_path: Path) -> None:
         )
 
 
+def test_per_rank_values_load_into_fresh_tensors_unless_donated(tmp_path: Path) -> None:
+    """load_per_rank leaves like untouched and returns new tensors (donate=False is the
+    default); donate=True fills like's own tensors and returns like."""
+    pos = TensorDict({"loader": {"pos": torch.tensor(123)}}, [])
+    ckpt.save(_small(1), tmp_path / "c", per_rank=pos)
+    like = pos.apply(torch.zeros_like)
+    out = ckpt.load_per_rank(tmp_path / "c", like=like)
+    assert _same(out, pos) and out is not like
+    assert int(like["loader", "pos"]) == 0 and out["loader", "pos"] is not like["loader", "pos"]
+    kept = like["loader", "pos"]
+    assert ckpt.load_per_rank(tmp_path / "c", like=like, donate=True) is like
+    assert like["loader", "pos"] is kept and int(kept) == 123
+
+
+def test_per_rank_values_of_another_world_size_are_refused_naming_both(tmp_path: Path) -> None:
+    """Per-rank values saved on another world size (metadata.json says 2; this is 1) raise
+    CheckpointMismatchError with both sizes and the checkpoint's path."""
+    from purestep.distributed import _ckpt_integrity
+
+    p = tmp_path / "c"
+    pos = TensorDict({"pos": torch.tensor(3)}, [])
+    ckpt.save(_small(1), p, per_rank=pos)
+    md = json.loads((p / ckpt.METADATA_FILE).read_bytes())
+    md["world_size"] = 2
+    (p / ckpt.METADATA_FILE).write_bytes(_ckpt_integrity.seal(md))
+    with pytest.raises(ckpt.CheckpointMismatchError) as e:
+        ckpt.load_per_rank(p, like=pos.apply(torch.zeros_like))
+    assert str(e.value) == (
+        f"checkpoint {p} holds per-rank values of world size 2; "
+        "they cannot be loaded on world size 1"
+    )
+    assert e.value.path == p
+    assert _same(ckpt.load(p, like=_small(0)), _small(1))  # the state itself still loads
+
+
+def test_load_per_rank_names_every_key_the_checkpoint_lacks_for_this_rank(tmp_path: Path) -> None:
+    """Without per-rank values (or without per_rank_keys in metadata.json at all), or with
+    other ones, load_per_rank raises one CheckpointMismatchError naming rank and keys."""
+    from purestep.distributed import _ckpt_integrity
+
+    like = TensorDict({"pos": torch.tensor(0), "n": {"e": torch.tensor(0)}}, [])
+    bare, other = tmp_path / "bare", tmp_path / "other"
+    ckpt.save(_small(1), bare)
+    ckpt.save(_small(1), other, per_rank=TensorDict({"pos": torch.tensor(3)}, []))
+    head = "does not match `like` (per-rank values of rank 0):\n  missing from the checkpoint"
+    with pytest.raises(ckpt.CheckpointMismatchError) as e:
+        ckpt.load_per_rank(other, like=like)
+    assert str(e.value) == f"checkpoint {other} {head} (in like only): n.e"
+    for drop_field in (False, True):
+        if drop_field:
+            md = json.loads((bare / ckpt.METADATA_FILE).read_bytes())
+            del md["per_rank_keys"]
+            (bare / ckpt.METADATA_FILE).write_bytes(_ckpt_integrity.seal(md))
+        with pytest.raises(ckpt.CheckpointMismatchError) as e:
+            ckpt.load_per_rank(bare, like=like)
+        assert str(e.value) == f"checkpoint {bare} {head} (in like only): pos, n.e"
+
+
+def test_every_save_writes_into_its_own_marked_scratch_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A save writes into <name>.tmp-<12 hex digits>, marked with that token; two saves
+    draw different tokens."""
+    import re
+
+    from purestep.distributed import _ckpt_fs
+
+    seen: list[tuple[Path, str, str | None]] = []
+    real = ckpt._write
+
+    def spy(flat: Any, tmp: Path, target: Path, token: str, *rest: Any) -> Any:
+        seen.append((tmp, token, _ckpt_fs.marker_token(tmp)))
+        return real(flat, tmp, target, token, *rest)
+
+    monkeypatch.setattr(ckpt, "_write", spy)
+    for name in ("a", "b"):
+        ckpt.save(_small(1), tmp_path / name)
+    assert [t.parent for t, _, _ in seen] == [tmp_path, tmp_path]
+    for (tmp, token, marked), name in zip(seen, "ab", strict=True):
+        assert re.fullmatch(r"[0-9a-f]{12}", token), token
+        assert tmp.name == f"{name}.tmp-{token}" and marked == token
+    assert seen[0][1] != seen[1][1]
+
+
+def test_a_failed_token_collective_fails_the_save_before_anything_is_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """If agreeing on the scratch token fails, save raises CheckpointWriteError naming the
+    checkpoint and the failure (chained), and leaves no directory behind."""
+    boom = RuntimeError("peer 1 is gone")
+
+    def gather(group: Any, value: Any) -> list[Any]:
+        raise boom
+
+    monkeypatch.setattr(ckpt, "_gather", gather)
+    target = tmp_path / "c"
+    with pytest.raises(ckpt.CheckpointWriteError) as e:
+        ckpt.save(_small(1), target)
+    assert str(e.value) == (
+        f"saving checkpoint {target}: a collective with the other ranks failed: peer 1 is gone"
+    )
+    assert e.value.path == target and e.value.__cause__ is boom
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("donate", [False, True], ids=["fresh", "donated"])
+def test_a_damaged_per_rank_record_fails_its_load_and_leaves_like_unchanged(
+    tmp_path: Path, donate: bool
+) -> None:
+    """load_per_rank verifies every record it reads (by default); a donated load checks them
+    all before writing, so like keeps its values."""
+    p = tmp_path / "c"
+    pos = TensorDict({"a": torch.arange(4), "b": torch.arange(8)}, [])
+    ckpt.save(_small(1), p, per_rank=pos)
+    md = json.loads((p / ckpt.METADATA_FILE).read_bytes())
+    (rec,) = [r for r in md["integrity"]["records"] if r["key"].endswith(".b")]
+    f = p / rec["file"]
+    data = bytearray(f.read_bytes())
+    data[rec["offset"] + rec["length"] - 1] ^= 0xFF
+    f.write_bytes(bytes(data))
+    like = pos.apply(torch.zeros_like)
+    with pytest.raises(ckpt.CheckpointCorruptError, match="fails its xxh3_64 checksum"):
+        ckpt.load_per_rank(p, like=like, donate=donate)
+    assert not like["a"].any() and not like["b"].any()
+    out = ckpt.load_per_rank(p, like=like, verify=False)
+    assert torch.equal(out["a"], pos["a"]) and not torch.equal(out["b"], pos["b"])
+
+
 # -- crash safety --------------------------------------------------------------------------
 
 # One child imports torch once, then forks one saver per run (importing torch per run would
@@ -525,7 +652,7 @@ def test_sigkill_during_save_leaves_the_previous_checkpoint_latest(tmp_path: Pat
         assert [p.name for p in root.iterdir()] == [found.name]
 
 
-# -- save: return value, parents, scratch names, refused leaves ----------------------------
+# -- save: return value, parents, refused leaves --------------------------------------------
 
 
 def test_a_sync_save_returns_none_with_the_checkpoint_complete_and_an_async_one_a_handle(
@@ -550,33 +677,6 @@ def test_save_creates_the_missing_parent_directories(tmp_path: Path) -> None:
     ckpt.save(_small(2), ckpt.step_dir(deep, 2))
     assert ckpt.latest(deep) == ckpt.step_dir(deep, 2)
     assert _same(ckpt.load(ckpt.step_dir(deep, 1), like=_small(0)), _small(1))
-
-
-def test_each_save_writes_into_a_fresh_token_named_scratch_directory(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A save's scratch directory is `<name>.tmp-<token>`, its marker holds the same token (12
-    hex digits, new for every save), and the published checkpoint keeps that marker."""
-    from purestep.distributed import _ckpt_fs
-
-    real = _ckpt_fs.write_marker
-    made: list[tuple[Path, str]] = []
-
-    def spy(directory: Path, token: str) -> None:
-        made.append((directory, token))
-        real(directory, token)
-
-    monkeypatch.setattr(_ckpt_fs, "write_marker", spy)
-    for name in ("a", "b"):
-        ckpt.save(_small(1), tmp_path / name)
-    tokens = [t for _, t in made]
-    assert [d for d, _ in made] == [
-        tmp_path / f"a.tmp-{tokens[0]}",
-        tmp_path / f"b.tmp-{tokens[1]}",
-    ]
-    assert all(re.fullmatch("[0-9a-f]{12}", t) for t in tokens), tokens
-    assert tokens[0] != tokens[1]
-    assert [_ckpt_fs.marker_token(tmp_path / n) for n in "ab"] == tokens
 
 
 _NON_TENSOR = (
@@ -605,93 +705,8 @@ def test_a_non_tensor_leaf_fails_the_save_naming_the_argument_and_the_leaf(
 # -- load_per_rank -------------------------------------------------------------------------
 
 
-def _flip_record(path: Path, key: str) -> None:
-    """Damage the last data byte of ``key``'s record."""
-    md = ckpt.read_metadata(path)
-    (rec,) = [r for r in md["integrity"]["records"] if r["key"] == key]
-    f = path / rec["file"]
-    data = bytearray(f.read_bytes())
-    data[rec["offset"] + rec["length"] - 1] ^= 0xFF
-    f.write_bytes(bytes(data))
-
-
-def _reseal(path: Path, edit: Any) -> None:
-    """Rewrite ``path``'s metadata.json after ``edit(md)``, with a valid checksum of its own."""
-    from purestep.distributed._ckpt_integrity import seal
-
-    md = json.loads((path / ckpt.METADATA_FILE).read_text())
-    md.pop("checksum")
-    edit(md)
-    (path / ckpt.METADATA_FILE).write_bytes(seal(md))
-
-
 def _positions() -> TensorDict:
     return TensorDict({"loader": {"pos": torch.tensor(123), "epoch": torch.tensor(2)}}, [])
-
-
-def test_load_per_rank_returns_fresh_tensors_unless_donated(tmp_path: Path) -> None:
-    """Without donate, load_per_rank leaves like unchanged and returns new tensors; with
-    donate=True it fills like's own tensors and returns like itself."""
-    ckpt.save(_small(1), tmp_path / "c", per_rank=_positions())
-    like = _positions().apply(torch.zeros_like)
-    pos = like["loader", "pos"]
-    out = ckpt.load_per_rank(tmp_path / "c", like=like)
-    assert _same(out, _positions())
-    assert _same(like, _positions().apply(torch.zeros_like))
-    assert out["loader", "pos"] is not pos
-    donated = ckpt.load_per_rank(tmp_path / "c", like=like, donate=True)
-    assert donated is like and like["loader", "pos"] is pos
-    assert _same(like, _positions())
-
-
-@pytest.mark.parametrize("donate", [False], ids=["fresh"])
-def test_a_damaged_per_rank_record_fails_load_per_rank_and_never_tears_like(
-    tmp_path: Path, donate: bool
-) -> None:
-    """A flipped byte in the last per-rank record fails load_per_rank (verified by default) with
-    a CheckpointCorruptError naming its key; a donated load leaves like bitwise unchanged (the
-    intact record read before it is not written into like either)."""
-    ckpt.save(_small(1), tmp_path / "c", per_rank=_positions())
-    md = ckpt.read_metadata(tmp_path / "c")
-    ranked = [r for r in md["integrity"]["records"] if r["key"].startswith("__rank_0__.")]
-    last = max(ranked, key=lambda r: r["offset"])["key"]
-    _flip_record(tmp_path / "c", last)
-    like = _positions().apply(torch.zeros_like)
-    with pytest.raises(ckpt.CheckpointCorruptError) as info:
-        ckpt.load_per_rank(tmp_path / "c", like=like, donate=donate)
-    assert info.value.key == last
-    assert _same(like, _positions().apply(torch.zeros_like))
-
-
-def test_per_rank_values_of_another_world_size_are_refused_naming_both(tmp_path: Path) -> None:
-    """Per-rank values saved on 2 ranks do not load on 1: CheckpointMismatchError naming the
-    checkpoint and both world sizes."""
-    ckpt.save(_small(1), tmp_path / "c", per_rank=_positions())
-    _reseal(tmp_path / "c", lambda md: md.update(world_size=2))
-    with pytest.raises(ckpt.CheckpointMismatchError) as info:
-        ckpt.load_per_rank(tmp_path / "c", like=_positions())
-    assert str(info.value) == (
-        f"checkpoint {tmp_path / 'c'} holds per-rank values of world size 2; they cannot be "
-        "loaded on world size 1"
-    )
-    assert info.value.details() == {"path": tmp_path / "c", "file": None, "key": None}
-
-
-@pytest.mark.parametrize("metadata", ["saved_without", "no_per_rank_keys"])
-def test_load_per_rank_of_a_checkpoint_without_per_rank_values_names_like_keys_missing(
-    tmp_path: Path, metadata: str
-) -> None:
-    """A checkpoint saved without per_rank (or whose metadata lists no per-rank keys at all) has
-    none for this rank: load_per_rank names every key of like as missing from it."""
-    ckpt.save(_small(1), tmp_path / "c")
-    if metadata == "no_per_rank_keys":
-        _reseal(tmp_path / "c", lambda md: md.pop("per_rank_keys"))
-    with pytest.raises(ckpt.CheckpointMismatchError) as info:
-        ckpt.load_per_rank(tmp_path / "c", like=_positions())
-    assert str(info.value) == (
-        f"checkpoint {tmp_path / 'c'} does not match `like` (per-rank values of rank 0):\n"
-        "  missing from the checkpoint (in like only): loader.pos, loader.epoch"
-    )
 
 
 @pytest.mark.parametrize("which", ["load", "load_per_rank"])

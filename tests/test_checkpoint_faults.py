@@ -609,33 +609,6 @@ def _only_previous_left(root: Path) -> None:
 
 
 @pytest.mark.parametrize("async_", [False, True], ids=["sync", "async"])
-def test_a_failed_collective_for_the_scratch_token_fails_the_save_before_writing(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, async_: bool
-) -> None:
-    """If the collective that agrees on the scratch directory's token fails (a peer died), save
-    raises CheckpointWriteError naming the checkpoint and the failure (chained), and creates
-    nothing."""
-    from purestep.distributed import checkpoint as module
-
-    ckpt.save(_small(1), tmp_path / "a")
-    died = RuntimeError("peer 1 died (simulated)")
-
-    def gather(group: Any, value: Any) -> list[Any]:
-        raise died
-
-    monkeypatch.setattr(module, "_gather", gather)
-    with pytest.raises(ckpt.CheckpointWriteError) as info:
-        _save(tmp_path / "b", async_)
-    assert str(info.value) == (
-        f"saving checkpoint {tmp_path / 'b'}: a collective with the other ranks failed: {died}"
-    )
-    assert info.value.details() == {"path": tmp_path / "b", "file": None, "key": None}
-    assert info.value.__cause__ is died
-    _only_previous_left(tmp_path)
-    COUNTS["failed token collective"] += 1
-
-
-@pytest.mark.parametrize("async_", [False, True], ids=["sync", "async"])
 def test_a_scratch_directory_that_cannot_be_created_fails_the_save_and_is_removed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, async_: bool
 ) -> None:

@@ -115,21 +115,29 @@ def test_partial_load_verifies_what_it_reads(tmp_path: Path) -> None:
     assert torch.equal(donated["params", "critic", "w"], state["params", "critic", "w"])
 
 
-@pytest.mark.parametrize(
-    "bad", [(), ("ema", 1), 5, [b"ema"]], ids=["empty_tuple", "tuple_with_int", "int", "bytes"]
-)
-def test_keys_entries_must_be_dotted_str_or_non_empty_tuples_of_str(
-    tmp_path: Path, bad: object
-) -> None:
-    """A keys= entry that is neither a dotted str nor a non-empty sequence of str is refused
-    with a TypeError naming it (not joined into a prefix that silently selects nothing)."""
+@pytest.mark.parametrize("bad", [(), ("params", 1), 3, []], ids=["empty", "non_str", "int", "list"])
+def test_a_keys_entry_that_is_no_prefix_is_refused_by_name(tmp_path: Path, bad: object) -> None:
+    """keys entries must be dotted strings or non-empty sequences of strings; anything else
+    (an empty tuple too, which would select everything) is a TypeError that shows it."""
     ckpt.save(_state(), tmp_path / "c")
-    for like in (None, TensorDict({"step": torch.tensor(0)}, [])):
-        with pytest.raises(TypeError) as info:
-            ckpt.load(tmp_path / "c", like=like, keys=["step", bad])  # type: ignore[list-item]
-        assert str(info.value) == (
-            f"load: keys entries must be dotted str or tuples of str, got {bad!r}"
-        )
+    with pytest.raises(TypeError) as e:
+        ckpt.load(tmp_path / "c", keys=["step", bad])  # type: ignore[list-item]
+    assert str(e.value) == f"load: keys entries must be dotted str or tuples of str, got {bad!r}"
+
+
+def test_a_partial_load_without_like_refuses_an_unknown_dtype_by_key(tmp_path: Path) -> None:
+    """A metadata.json naming a dtype this torch lacks fails the template with its key."""
+    from purestep.distributed import _ckpt_integrity
+
+    p = tmp_path / "c"
+    ckpt.save(_state(), p)
+    md = json.loads((p / ckpt.METADATA_FILE).read_bytes())
+    md["keys"]["ema.student.w"]["dtype"] = "float99"
+    (p / ckpt.METADATA_FILE).write_bytes(_ckpt_integrity.seal(md))
+    with pytest.raises(ckpt.CheckpointFormatError) as e:
+        ckpt.load(p, keys=["ema"])
+    assert str(e.value) == "load: unknown dtype 'float99' of key 'ema.student.w'"
+    testing.assert_trees_equal(ckpt.load(p, keys=["step"]), TensorDict({"step": torch.tensor(7)}))
 
 
 def test_a_prefix_that_selects_nothing_is_named_with_the_top_level_keys(tmp_path: Path) -> None:

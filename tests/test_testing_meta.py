@@ -26,6 +26,7 @@ from tensordict import NonTensorData, TensorDict, TensorDictBase
 from torch import nn
 
 import purestep as ps
+from _ids import safe_id
 from purestep import optim, testing
 from purestep.testing import _compare as testing_compare
 from purestep.testing import _steps as testing_steps
@@ -1600,3 +1601,440 @@ def test_default_save_reuses_an_existing_directory_and_load_reads_the_last_save(
     testing_checks._torch_save(first * 2, target)
     loaded = testing_checks._torch_load(target, like=first)
     testing.assert_trees_equal(loaded, first * 2)
+
+
+# --- assert_accumulation_invariant: whole messages, tolerances, the gradient recorders --------
+
+
+def _one_role_state(w: torch.Tensor | None = None) -> TensorDict:
+    opts = {"m": optim.sgd(0.1)}
+    return _sgd_state(opts, {"m": TensorDict({"w": torch.zeros(2) if w is None else w}, [])})
+
+
+def _batches(*xs: float) -> list[dict[str, torch.Tensor]]:
+    return [{"x": torch.tensor([x])} for x in xs]
+
+
+def test_accumulation_invariance_refuses_empty_ks_and_an_unknown_mode_with_whole_messages() -> None:
+    """No ks, or a ``compare`` other than 'grads'/'state': a ValueError whose whole message
+    names the check and the argument (and, for ``compare``, the value given)."""
+    state = _one_role_state()
+    make = cast(Callable[[int], StepFn], lambda k: _PlainStep("state"))
+    empty = "assert_accumulation_invariant: ks is empty"
+    with pytest.raises(ValueError, match=f"^{re.escape(empty)}$"):
+        testing.assert_accumulation_invariant(make, state, _batches(0.0), ks=())
+    mode = "assert_accumulation_invariant: compare must be 'grads' or 'state', got 'params'"
+    with pytest.raises(ValueError, match=f"^{re.escape(mode)}$"):
+        testing.assert_accumulation_invariant(make, state, _batches(0.0), compare="params")  # type: ignore[arg-type]
+
+
+def test_accumulation_invariance_by_gradients_names_the_k_and_the_type_it_cannot_read() -> None:
+    """``make_step(2)`` returns a step of the user's own (no TrainStep inside) while
+    ``make_step(1)`` is a train step: the TypeError says why, names ``make_step(2)`` and the
+    type it returned, and points to ``compare='state'``."""
+    opts = {"m": optim.sgd(0.1)}
+
+    class OwnStep:
+        def __call__(self, s: TensorDictBase, b: Any) -> tuple[TensorDictBase, TensorDictBase]:
+            return s, TensorDict({}, [])
+
+    def grad_fn(params: Any, batch: Any, key: Any, **kw: Any) -> Any:
+        return TensorDict({"m": {"w": torch.ones(2)}}, []), TensorDict({}, [])
+
+    def make(k: int) -> StepFn:
+        return ps.train_step(grad_fn, opts) if k == 1 else OwnStep()
+
+    with pytest.raises(TypeError) as info:
+        testing.assert_accumulation_invariant(make, _one_role_state(), _batches(0.0), ks=(1, 2))
+    assert str(info.value) == (
+        "assert_accumulation_invariant(compare='grads') reads the gradients each optimizer is "
+        "given, so it needs steps built by purestep (train_step, with_ema, skip_nonfinite, a "
+        "method's make_step); make_step(2) returned OwnStep. Pass compare='state' to compare "
+        "the states after the optimizer instead"
+    )
+
+
+_NOTHING_COMPARED = (
+    "accumulation invariance: no optimizer was given gradients in any step, so nothing was "
+    "compared (are the roles due at these steps?)"
+)
+
+
+@pytest.mark.parametrize(("start", "n"), [(0, 1), (1, 1), (0, 2), (1, 2), (0, 3), (1, 3)])
+def test_accumulation_invariance_by_gradients_fails_exactly_when_no_role_was_due(
+    start: int, n: int
+) -> None:
+    """A role updated every 2nd step, over ``n`` batches from step ``start``: the check passes
+    when any of those steps updates the role (updates are counted over all batches, not the
+    last one alone) and otherwise fails with the whole 'nothing was compared' message."""
+    opts = {"m": optim.sgd(0.1)}
+    state = _one_role_state()
+    state["step"] = torch.tensor(start, dtype=torch.int64)
+
+    def grad_fn(params: Any, batch: Any, key: Any, **kw: Any) -> Any:
+        return TensorDict({"m": {"w": torch.ones(2)}}, []), TensorDict({}, [])
+
+    def run() -> None:
+        testing.assert_accumulation_invariant(
+            lambda k: ps.train_step(grad_fn, opts, every={"m": 2}),
+            state,
+            _batches(*[0.0] * n),
+            ks=(1, 2),
+        )
+
+    if any((start + i) % 2 == 0 for i in range(n)):
+        run()
+        return
+    assert _message(run) == [_NOTHING_COMPARED]
+
+
+def _advice(where: str) -> str:
+    return (
+        f". Likely cause: the step drew from torch's global RNG (its state changed during "
+        f"{where}), so repeated calls differ; {ADVICE}"
+    )
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_accumulation_invariance_advances_the_reference_state_only_between_batches(n: int) -> None:
+    """A grad_fn that draws from torch's global RNG and updates no role, over ``n`` batches
+    with ks=(1, 2): the 'nothing was compared' failure counts the calls that drew: two
+    recording calls per batch and the ``n - 1`` calls of the reference step that advance the
+    state to the next batch (none after the last)."""
+    opts = {"m": optim.sgd(0.1)}
+
+    def grad_fn(params: Any, batch: Any, key: Any, **kw: Any) -> Any:
+        torch.rand(1)
+        return TensorDict({}, []), TensorDict({}, [])
+
+    more = 2 * n + (n - 1) - 1
+    lines = _message(
+        lambda: testing.assert_accumulation_invariant(
+            lambda k: ps.train_step(grad_fn, opts),
+            _one_role_state(),
+            _batches(*[0.0] * n),
+            ks=(1, 2),
+        )
+    )
+    calls = f"{more} more step call" + ("s" if more > 1 else "")
+    assert lines == [
+        _NOTHING_COMPARED + _advice(f"step 0 with k=1 (the cpu generator) and {calls}")
+    ]
+
+
+def test_accumulation_invariance_names_the_reference_step_that_ran_a_noisy_optimizer() -> None:
+    """An optimizer drawing its noise from torch's global RNG is run only by the reference
+    step (k=1) advancing the state between batches (the recorders replace it): a gradient
+    that depends on k at step 1 is reported with that call, step 0 with k=1, as the cause."""
+    sgd = optim.sgd(0.1)
+
+    def noisy_step(
+        grads: TensorDictBase,
+        state: TensorDictBase,
+        params: TensorDictBase,
+        *,
+        donate: bool = False,
+    ) -> tuple[TensorDict, TensorDict]:
+        torch.rand(1)  # the noise, from the global generator
+        return sgd.step(grads, state, params)
+
+    noisy = optim.Transform(
+        init_fn=sgd.init_fn, update_fn=sgd.update_fn, step_fn=noisy_step, name="noisy sgd"
+    )
+    opts = {"m": noisy}
+
+    def make(k: int) -> StepFn:
+        def grad_fn(params: Any, batch: Any, key: Any, **kw: Any) -> Any:
+            g = torch.ones(2) * (1 + batch["x"].sum() * (k - 1))
+            return TensorDict({"m": {"w": g}}, []), TensorDict({}, [])
+
+        return ps.train_step(grad_fn, opts)
+
+    lines = _message(
+        lambda: testing.assert_accumulation_invariant(
+            make, _one_role_state(), _batches(0.0, 1.0), ks=(1, 2), check_metrics=False
+        )
+    )
+    assert lines == [
+        "accumulation invariance: gradients at step 1 with k=2 vs k=1: role 'm': first "
+        "difference at m.w: max abs diff 1, max rel diff 1 (allowed |a - b| <= atol * G + "
+        "rtol * |b| with rtol=1e-05, atol=1e-05, G=1 the largest reference gradient of role "
+        "'m')" + _advice("step 0 with k=1 (the cpu generator)")
+    ]
+
+
+def test_accumulation_invariance_by_gradients_reports_every_k_whose_metrics_differ() -> None:
+    """Equal gradients but a loss that depends on k, ks=(1, 2, 4): one line per k names the
+    step, that k against the reference k=1, the metric and the tolerance; with
+    ``check_metrics=False`` the same steps pass."""
+    opts = {"m": optim.sgd(0.1)}
+
+    def make(k: int) -> StepFn:
+        def grad_fn(params: Any, batch: Any, key: Any, **kw: Any) -> Any:
+            metrics = TensorDict({"loss": torch.tensor(float(k))}, [])
+            return TensorDict({"m": {"w": torch.ones(2)}}, []), metrics
+
+        return ps.train_step(grad_fn, opts)
+
+    state, batches = _one_role_state(), _batches(0.0)
+    lines = _message(lambda: testing.assert_accumulation_invariant(make, state, batches))
+    assert lines == [
+        "accumulation invariance: metrics of step 0 with k=2 vs k=1: first difference at loss: "
+        "max abs diff 1, max rel diff 1 (rtol=1e-05, atol=1e-05)",
+        "metrics of step 0 with k=4 vs k=1: first difference at loss: max abs diff 3, max rel "
+        "diff 3 (rtol=1e-05, atol=1e-05)",
+    ]
+    testing.assert_accumulation_invariant(make, state, batches, check_metrics=False)
+
+
+def _shift_step(k: int, *, scale: bool = True, extra: str = "", draw: bool = False) -> StepFn:
+    """A step of the user's own: ``w += c * x``, loss ``c * x`` with ``c = k`` (1 unless
+    ``scale``); ``extra`` names a tree ("state" or "metrics") that gets a key ``extra`` for
+    k > 1; ``draw``: k > 1 draws from torch's global RNG."""
+    c = k if scale else 1
+
+    def step(s: TensorDictBase, b: Any) -> tuple[TensorDictBase, TensorDictBase]:
+        x = b["x"].sum()
+        if draw and k > 1:
+            torch.rand(1)
+        out = TensorDict({"w": s["w"] + c * x}, [])
+        metrics = TensorDict({"loss": c * x}, [])
+        if k > 1 and extra:
+            (out if extra == "state" else metrics)["extra"] = torch.zeros(1)
+        return out, metrics
+
+    return step
+
+
+@pytest.mark.parametrize(
+    ("rtol", "atol", "shown"),
+    [(None, None, "rtol=1e-05, atol=1e-06"), (1e-3, 0.5, "rtol=0.001, atol=0.5")],
+    ids=["defaults", "given"],
+)
+def test_accumulation_invariance_by_state_reports_each_k_state_then_metrics_with_the_tolerance(
+    rtol: float | None, atol: float | None, shown: str
+) -> None:
+    """compare='state', a step of the user's own whose update and loss scale with k, two
+    batches, ks=(1, 2, 4): for each k its final state, then each step's metrics, every line
+    naming k against the reference k=1 and the tolerance in force (defaults rtol=1e-5,
+    atol=1e-6); with ``check_metrics=False`` only the states, still for every k."""
+    state = TensorDict({"w": torch.zeros(())}, [])
+
+    def run(check_metrics: bool) -> list[str]:
+        return _message(
+            lambda: testing.assert_accumulation_invariant(
+                _shift_step,
+                state,
+                _batches(1.0, 2.0),
+                rtol=rtol,
+                atol=atol,
+                check_metrics=check_metrics,
+                compare="state",
+            )
+        )
+
+    def line(what: str, abs_: int, rel: int) -> str:
+        return f"{what}: first difference at {'w' if what.startswith('state') else 'loss'}: max abs diff {abs_}, max rel diff {rel} ({shown})"
+
+    state_2 = line("state with k=2 vs k=1", 3, 1)
+    state_4 = line("state with k=4 vs k=1", 9, 3)
+    assert run(True) == [
+        "accumulation invariance: " + state_2,
+        line("metrics of step 0 with k=2 vs k=1", 1, 1),
+        line("metrics of step 1 with k=2 vs k=1", 2, 1),
+        state_4,
+        line("metrics of step 0 with k=4 vs k=1", 3, 3),
+        line("metrics of step 1 with k=4 vs k=1", 6, 3),
+    ]
+    assert run(False) == ["accumulation invariance: " + state_2, state_4]
+
+
+@pytest.mark.parametrize(
+    ("compare", "extra"), [("grads", "metrics"), ("state", "metrics"), ("state", "state")]
+)
+def test_accumulation_invariance_names_a_key_only_a_later_k_has(compare: str, extra: str) -> None:
+    """k=2's step adds a key (a metric, or a state entry) the reference k=1 lacks: the
+    failure names the tree, the step (for metrics), both ks and the extra key path."""
+    if compare == "grads":
+        opts = {"m": optim.sgd(0.1)}
+
+        def make(k: int) -> StepFn:
+            def grad_fn(params: Any, batch: Any, key: Any, **kw: Any) -> Any:
+                metrics = TensorDict({"loss": torch.tensor(1.0)}, [])
+                if k > 1:
+                    metrics["extra"] = torch.zeros(1)
+                return TensorDict({"m": {"w": torch.ones(2)}}, []), metrics
+
+            return ps.train_step(grad_fn, opts)
+
+        state = _one_role_state()
+    else:
+        make = lambda k: _shift_step(k, scale=False, extra=extra)  # noqa: E731
+        state = TensorDict({"w": torch.zeros(())}, [])
+    what = "state with k=2 vs k=1" if extra == "state" else "metrics of step 0 with k=2 vs k=1"
+    lines = _message(
+        lambda: testing.assert_accumulation_invariant(
+            make,
+            state,
+            _batches(1.0),
+            ks=(1, 2),
+            compare=compare,  # type: ignore[arg-type]
+        )
+    )
+    assert lines == [
+        f"{what}: key structure differs; only in expected: -; only in actual: ['extra']"
+    ]
+
+
+def test_accumulation_invariance_by_state_names_the_run_of_the_k_that_drew_from_the_rng() -> None:
+    """compare='state' with a step whose k=2 build draws from torch's global RNG: the
+    failure names that call, step 0 of k=2, as the likely cause."""
+    state = TensorDict({"w": torch.zeros(())}, [])
+    lines = _message(
+        lambda: testing.assert_accumulation_invariant(
+            lambda k: _shift_step(k, draw=True),
+            state,
+            _batches(1.0),
+            ks=(1, 2),
+            check_metrics=False,
+            compare="state",
+        )
+    )
+    assert lines == [
+        "accumulation invariance: state with k=2 vs k=1: first difference at w: max abs diff 1, "
+        "max rel diff 1 (rtol=1e-05, atol=1e-06)" + _advice("step 0 of k=2 (the cpu generator)")
+    ]
+
+
+@attrs.frozen
+class _ByUpdate:
+    """A user step that applies its TrainStep's optimizers through ``update`` and
+    ``apply_updates`` (as a wrapper rescaling the updates would) and logs each optimizer's
+    learning rate read from its ``hparams``."""
+
+    inner: Any
+
+    def __call__(self, s: TensorDictBase, b: Any) -> tuple[TensorDictBase, TensorDictBase]:
+        grads, metrics = self.inner.grad_fn(s["params"], b, s["rng"])
+        out = s.clone()
+        for role, opt in self.inner.optimizers.items():
+            params = s["params", role]
+            updates, new_opt = opt.update(grads[role], s["opt_state", role], params)
+            out["params", role] = optim.apply_updates(params, updates)
+            out["opt_state", role] = new_opt
+            metrics[f"{role}_lr"] = torch.tensor(float(opt.hparams.lr))
+        out["step"] = s["step"] + 1
+        return out, metrics
+
+
+def test_accumulation_invariance_records_gradients_given_to_update_and_keeps_hparams() -> None:
+    """By gradients, a user wrapper that hands the gradients to each optimizer's ``update``
+    (not ``step``) and reads the optimizer's ``hparams`` runs under the recorders: equal
+    gradients pass, and gradients scaled by k are named by role and leaf."""
+    opts = {"m": optim.sgd(0.1)}
+
+    def make(scale: Callable[[int], float]) -> Callable[[int], StepFn]:
+        def build(k: int) -> StepFn:
+            def grad_fn(params: Any, batch: Any, key: Any, **kw: Any) -> Any:
+                g = torch.full((2,), scale(k))
+                return TensorDict({"m": {"w": g}}, []), TensorDict({}, [])
+
+            return cast(StepFn, _ByUpdate(ps.train_step(grad_fn, opts)))
+
+        return build
+
+    state, batches = _one_role_state(), _batches(0.0, 0.0)
+    testing.assert_accumulation_invariant(make(lambda k: 1.0), state, batches, ks=(1, 2))
+    lines = _message(
+        lambda: testing.assert_accumulation_invariant(make(float), state, batches, ks=(1, 2))
+    )
+    assert lines == [
+        "accumulation invariance: gradients at step 0 with k=2 vs k=1: role 'm': first "
+        "difference at m.w: max abs diff 1, max rel diff 1 (allowed |a - b| <= atol * G + "
+        "rtol * |b| with rtol=1e-05, atol=1e-05, G=1 the largest reference gradient of role "
+        "'m')"
+    ]
+
+
+@attrs.frozen
+class _Twice:
+    """A user wrapper that runs its step twice on each batch (two updates of each role)."""
+
+    inner: Any
+
+    def __call__(self, s: TensorDictBase, b: Any) -> tuple[TensorDictBase, TensorDictBase]:
+        s, _ = self.inner(s, b)
+        return self.inner(s, b)
+
+
+@pytest.mark.parametrize(("zero", "passes"), [(-0.0, True), (0.0, False)], ids=["neg", "pos"])
+def test_accumulation_invariance_recorders_leave_params_bitwise_as_they_are(
+    zero: float, passes: bool
+) -> None:
+    """The recorders return each role's params untouched, bitwise (a -0.0 stays -0.0): a
+    step updating a role twice, whose gradient depends on k only where a param is +0.0,
+    passes from params of -0.0 (both updates see -0.0) and fails from +0.0, naming both
+    updates."""
+    opts = {"m": optim.sgd(0.1)}
+
+    def make(k: int) -> StepFn:
+        def grad_fn(params: Any, batch: Any, key: Any, **kw: Any) -> Any:
+            w = params["m", "w"]
+            g = torch.where(torch.signbit(w), torch.ones(2), torch.full((2,), float(k)))
+            return TensorDict({"m": {"w": g}}, []), TensorDict({}, [])
+
+        return cast(StepFn, _Twice(ps.train_step(grad_fn, opts)))
+
+    state = _one_role_state(torch.full((2,), zero))
+    run = lambda: testing.assert_accumulation_invariant(  # noqa: E731
+        make, state, _batches(0.0), ks=(1, 2), check_metrics=False
+    )
+    if passes:
+        run()
+        return
+    text = "\n".join(_message(run))
+    assert "update 0" in text and "update 1" in text, text
+
+
+@attrs.frozen
+class _Private:
+    """A user wrapper keeping its step in a private attribute (``__init__`` argument ``inner``)."""
+
+    _inner: Any
+
+    def __call__(self, s: TensorDictBase, b: Any) -> tuple[TensorDictBase, TensorDictBase]:
+        return self._inner(s, b)
+
+
+def test_accumulation_invariance_finds_a_train_step_in_a_private_wrapper_attribute() -> None:
+    """A wrapper attribute ``_inner`` (``__init__`` argument ``inner``) is rebuilt through its
+    init name: the TrainStep in it is read, and its k-dependent gradient reported."""
+    opts = {"m": optim.sgd(0.1)}
+
+    def make(scale: Callable[[int], float]) -> Callable[[int], StepFn]:
+        def build(k: int) -> StepFn:
+            def grad_fn(params: Any, batch: Any, key: Any, **kw: Any) -> Any:
+                return TensorDict({"m": {"w": torch.full((2,), scale(k))}}, []), TensorDict({}, [])
+
+            return cast(StepFn, _Private(ps.train_step(grad_fn, opts)))
+
+        return build
+
+    state, batches = _one_role_state(), _batches(0.0)
+    testing.assert_accumulation_invariant(make(lambda k: 1.0), state, batches, ks=(1, 2))
+    with pytest.raises(AssertionError, match=r"^accumulation invariance: gradients at step 0 "):
+        testing.assert_accumulation_invariant(make(float), state, batches, ks=(1, 2))
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    [torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2],
+    ids=lambda d: safe_id(str(d).removeprefix("torch.")),
+)
+def test_gradient_scale_reads_leaves_of_every_floating_dtype(dtype: torch.dtype) -> None:
+    """G is read in float64, so a gradient leaf of any floating dtype counts, float8 (whose
+    ``isfinite``/``max`` torch lacks) included: G of ``[0.5, -3]`` is 3."""
+    from purestep.testing._accumulation import _scale
+
+    leaf = torch.tensor([0.5, -3.0]).to(dtype)
+    assert _scale(TensorDict({"g": leaf}, [])) == 3.0

@@ -66,13 +66,14 @@ def prepare(
     what: str,
     donate: bool,
     verify: bool,
+    prefix: str = "",
 ) -> tuple[dict[str, Any], dict[str, torch.Tensor], bytes | None]:
     """Every check that can fail before DCP reads, agreed by all ranks.
 
     Returns ``(metadata.json, flat like, .metadata bytes)``. With ``donate`` and
     ``verify``, each rank then reads and checks its share of every record this
-    load reads (the keys of ``like``), so a damaged checkpoint fails here,
-    before the live state is touched.
+    load reads (the keys of ``like``, under ``prefix`` in the checkpoint), so a
+    damaged checkpoint fails here, before the live state is touched.
     """
     problem: CheckpointError | None = None
     md: dict[str, Any] = {}
@@ -85,17 +86,21 @@ def prepare(
     _raise_agreed(group, problem, f"loading checkpoint {path}")
     if donate and verify:  # check every byte before anything is written into the live state
         try:
-            verify_records(path, _only(md, flat_like), rank=_rank(group), world=_world(group))
+            only = _only(md, flat_like, prefix)
+            verify_records(path, only, rank=_rank(group), world=_world(group))
         except CheckpointError as e:
             problem = e
         _raise_agreed(group, problem, f"loading checkpoint {path}")
     return md, flat_like, dcp_md
 
 
-def _only(md: dict[str, Any], flat_like: Mapping[str, torch.Tensor]) -> dict[str, Any]:
-    """``md`` whose integrity records are those of ``flat_like``'s keys (a partial load's)."""
+def _only(
+    md: dict[str, Any], flat_like: Mapping[str, torch.Tensor], prefix: str = ""
+) -> dict[str, Any]:
+    """``md`` whose integrity records are those of ``flat_like``'s keys under ``prefix``."""
     recs = md["integrity"]["records"]
-    kept = [r for r in recs if r.get("key") in flat_like]
+    names = {prefix + k for k in flat_like}
+    kept = [r for r in recs if r.get("key") in names]
     if len(kept) == len(recs):
         return md
     return {**md, "integrity": {**md["integrity"], "records": kept}}

@@ -513,7 +513,7 @@ def load_per_rank(
         return md.get("per_rank_keys", {}).get(str(rank), {})
 
     md, flat_like, dcp_md = prepare(
-        p, like, group, expected, f"per-rank values of rank {rank}", donate, verify
+        p, like, group, expected, f"per-rank values of rank {rank}", donate, verify, prefix
     )
     flat = {prefix + k: v for k, v in flat_like.items()}
     dst = read_into(group, p, flat, donate, md, verify, dcp_md)
