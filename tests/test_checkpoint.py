@@ -659,12 +659,13 @@ def test_a_sync_save_returns_none_with_the_checkpoint_complete_and_an_async_one_
     tmp_path: Path,
 ) -> None:
     """save() without async_ returns None only once the checkpoint is complete and loadable;
-    save(async_=True) returns the SaveHandle whose wait() gives the checkpoint's path."""
+    save(async_=True) returns the SaveHandle of the checkpoint's path (its wait() returns it)."""
     assert ckpt.save(_small(1), tmp_path / "a") is None
     assert ckpt.is_complete(tmp_path / "a")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a"]  # no scratch left
     handle = ckpt.save(_small(2), tmp_path / "b", async_=True)
     assert isinstance(handle, ckpt.SaveHandle)
+    assert handle.path == tmp_path / "b"
     assert handle.wait() == tmp_path / "b"
     assert _same(ckpt.load(tmp_path / "b", like=_small(0)), _small(2))
 
@@ -677,6 +678,30 @@ def test_save_creates_the_missing_parent_directories(tmp_path: Path) -> None:
     ckpt.save(_small(2), ckpt.step_dir(deep, 2))
     assert ckpt.latest(deep) == ckpt.step_dir(deep, 2)
     assert _same(ckpt.load(ckpt.step_dir(deep, 1), like=_small(0)), _small(1))
+
+
+def test_an_overwrite_moves_the_old_checkpoint_aside_under_the_save_token(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While an overwrite publishes, the replaced checkpoint waits under `<name>.old-<token>`
+    (the token of the save replacing it, as in its scratch directory and marker); afterwards
+    only the new checkpoint is left."""
+    from purestep.distributed import _ckpt_fs
+
+    ckpt.save(_small(1), tmp_path / "c")
+    real = _ckpt_fs.rename_noreplace
+    seen: list[list[str]] = []
+
+    def spy(src: Path, dst: Path) -> None:
+        seen.append(sorted(p.name for p in tmp_path.iterdir()))
+        real(src, dst)
+
+    monkeypatch.setattr(_ckpt_fs, "rename_noreplace", spy)
+    ckpt.save(_small(2), tmp_path / "c", overwrite=True)
+    token = _ckpt_fs.marker_token(tmp_path / "c")
+    assert seen == [[f"c.old-{token}", f"c.tmp-{token}"]]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c"]
+    assert _same(ckpt.load(tmp_path / "c", like=_small(0)), _small(2))
 
 
 _NON_TENSOR = (

@@ -666,3 +666,103 @@ def test_a_failed_copy_to_cpu_buffers_fails_an_async_save_and_removes_its_scratc
     assert info.value.__cause__ is oom
     _only_previous_left(tmp_path)
     COUNTS["failed staging copy"] += 1
+
+
+# -- failed collectives (a stand-in process group whose k-th collective fails) ---------------
+
+
+class _FailingPeers:
+    """A stand-in for the checkpoint process group whose ``fail_at``-th collective fails (a
+    peer died); the ones before it succeed as on one rank. Counts the collectives."""
+
+    def __init__(self, fail_at: int) -> None:
+        self.fail_at = fail_at
+        self.calls = 0
+        self.died = RuntimeError(f"peer 1 died in collective {fail_at} (simulated)")
+
+    def gather(self, group: Any, value: Any) -> list[Any]:
+        if group is None:  # no process group: the real helper's answer
+            return [value]
+        assert group is self
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise self.died
+        return [value]
+
+
+def _with_peers(monkeypatch: pytest.MonkeyPatch, fail_at: int) -> _FailingPeers:
+    from purestep.distributed import _ckpt_group
+    from purestep.distributed import checkpoint as module
+
+    peers = _FailingPeers(fail_at)
+    monkeypatch.setattr(module, "_group", lambda: peers)
+    for m in (module, _ckpt_group):
+        monkeypatch.setattr(m, "_rank", lambda group: 0)
+        monkeypatch.setattr(m, "_gather", peers.gather)
+    monkeypatch.setattr(module, "_world", lambda group: 1)
+    return peers
+
+
+@pytest.mark.parametrize(
+    ("async_", "fail_at"),
+    [(False, 1), (False, 2), (False, 3), (True, 4)],
+    ids=["target_check", "token", "scratch_dir", "async_staging"],
+)
+def test_a_failed_collective_fails_the_save_at_each_agreement_and_leaves_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, async_: bool, fail_at: int
+) -> None:
+    """With a process group a save agrees with the other ranks on the target check, the scratch
+    token, the scratch directory and (async) the staging copy, in that order, before writing:
+    whichever collective fails (a peer died), save raises naming the checkpoint with the
+    failure chained (a CheckpointWriteError for the token), and leaves no scratch directory."""
+    ckpt.save(_small(1), tmp_path / "a")
+    peers = _with_peers(monkeypatch, fail_at)
+    with pytest.raises(ckpt.CheckpointError) as info:
+        ckpt.save(_small(2), tmp_path / "b", async_=async_)
+    assert peers.calls == fail_at
+    want = ckpt.CheckpointWriteError if fail_at == 2 else ckpt.CheckpointError
+    assert type(info.value) is want
+    assert str(info.value) == (
+        f"saving checkpoint {tmp_path / 'b'}: a collective with the other ranks failed: "
+        f"{peers.died}"
+    )
+    assert info.value.__cause__ is peers.died
+    _only_previous_left(tmp_path)
+    COUNTS["failed collective (save)"] += 1
+
+
+@pytest.mark.parametrize("case", ["load", "load_bad_like", "load_per_rank", "save_existing"])
+def test_a_problem_this_rank_found_is_shared_through_the_collective_before_raising(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, case: str
+) -> None:
+    """load, load_per_rank and save raise a problem found on this rank (a bad like, an existing
+    target) only through the collective that shares it with the other ranks, so no rank raises
+    alone; when that first collective fails, the error names the operation, the checkpoint, this
+    rank's own problem (if any) and the failure (chained)."""
+    ckpt.save(_small(1), tmp_path / "a", per_rank=_per_rank())
+    like = _small(0)
+    if case == "load_bad_like":
+        like.set_non_tensor(("meta", "name"), "run-a")
+    run = {
+        "load_per_rank": lambda: ckpt.load_per_rank(tmp_path / "a", like=_per_rank()),
+        "save_existing": lambda: ckpt.save(_small(2), tmp_path / "a"),
+    }.get(case, lambda: ckpt.load(tmp_path / "a", like=like))
+    peers = _with_peers(monkeypatch, 1)
+    with pytest.raises(ckpt.CheckpointError) as info:
+        run()
+    doing = "saving" if case == "save_existing" else "loading"
+    own = {
+        "load_bad_like": " (this rank had failed: cannot checkpoint like: non-tensor leaves (a "
+        "checkpoint holds tensors only; store numbers as 0-dim tensors and other values in "
+        "save(metadata=...)): meta.name (non-tensor data: str))",
+        "save_existing": f" (this rank had failed: checkpoint already exists at "
+        f"{tmp_path / 'a'}; pass overwrite=True to replace it)",
+    }.get(case, "")
+    assert type(info.value) is ckpt.CheckpointError
+    assert str(info.value) == (
+        f"{doing} checkpoint {tmp_path / 'a'}: a collective with the other ranks failed{own}: "
+        f"{peers.died}"
+    )
+    assert info.value.__cause__ is peers.died
+    assert peers.calls == 1
+    COUNTS["failed collective (agreement)"] += 1
