@@ -1286,15 +1286,6 @@ def test_accumulation_invariance_names_the_update_when_a_role_steps_twice() -> N
     """A step that updates one role twice (a wrapper running its train step twice): a
     gradient that depends on k is reported by update number, since the role alone would not
     say which of its two updates differs."""
-
-    @attrs.frozen
-    class Twice:
-        inner: Any
-
-        def __call__(self, s: TensorDictBase, b: Any) -> tuple[TensorDictBase, TensorDictBase]:
-            s, _ = self.inner(s, b)
-            return self.inner(s, b)
-
     opts = {"m": optim.sgd(0.1)}
     state = _sgd_state(opts, {"m": TensorDict({"w": torch.zeros(2)}, [])})
 
@@ -1302,7 +1293,7 @@ def test_accumulation_invariance_names_the_update_when_a_role_steps_twice() -> N
         def grad_fn(params: Any, batch: Any, key: Any, **kw: Any) -> Any:
             return TensorDict({"m": {"w": torch.full((2,), float(k))}}, []), TensorDict({}, [])
 
-        return Twice(ps.train_step(grad_fn, opts))
+        return _Twice(ps.train_step(grad_fn, opts))
 
     text = "\n".join(
         _message(
