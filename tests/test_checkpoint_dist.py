@@ -453,3 +453,31 @@ def _alive(pid: int) -> bool:
             return f.read().split()[2] != "Z"
     except FileNotFoundError:
         return False
+
+
+def task_load_per_rank_damaged(path: str) -> dict[str, Any]:
+    """load_per_rank of this rank's value; report the error it raised, if any."""
+    like = TensorDict({"data": {"pos": torch.tensor(-1)}}, [])
+    try:
+        ckpt.load_per_rank(path, like=like)
+    except ckpt.CheckpointError as e:
+        return {"error": type(e).__name__, "key": e.key}
+    return {"error": None, "key": None}
+
+
+def test_a_damaged_per_rank_value_fails_load_per_rank_on_every_rank(
+    pool: WorkerPool, tmp_path: Path
+) -> None:
+    """A flipped byte in rank 1's per-rank value fails load_per_rank on both ranks, naming that
+    key (rank 0's own value is intact, but its read is a collective and the ranks fail
+    together)."""
+    path = tmp_path / "c"
+    pool.run(task_save, str(path), (4, 3), torch.float32, 0, 1, False)
+    records = ckpt.read_metadata(path)["integrity"]["records"]
+    (rec,) = [r for r in records if r["key"] == "__rank_1__.data.pos"]
+    f = path / rec["file"]
+    data = bytearray(f.read_bytes())
+    data[rec["offset"] + rec["length"] - 1] ^= 0x40
+    f.write_bytes(bytes(data))
+    results = pool.run(task_load_per_rank_damaged, str(path))
+    assert results == [{"error": "CheckpointCorruptError", "key": "__rank_1__.data.pos"}] * 2

@@ -667,3 +667,289 @@ def test_split_names_itself_and_the_bad_argument(
     with pytest.raises(error) as info:
         rng.split(rng.key(0) if key is None else key, n)
     assert str(info.value).startswith(message)
+
+
+_KEY_1D = torch.zeros(2, dtype=torch.int64)
+_F64_MAX = 9223372036854775807
+_FLOATS = "['torch.bfloat16', 'torch.float16', 'torch.float32', 'torch.float64']"
+_NOT_A_KEY = "key must be a 0-dim int64 tensor (from rng.key/fold_in/split), got Tensor(shape=(2,), dtype=torch.int64, device=cpu)"
+_FLOAT_INDEX = "index must be a 1-D int64 tensor of sample ids, got Tensor(shape=(3,), dtype=torch.float32, device=cpu)"
+
+# (call, exception, the whole message): each names the function and the argument at fault
+WHOLE_MESSAGES: dict[str, tuple[Callable[[], object], type[Exception], str]] = {
+    "uniform_key": (lambda: rng.uniform(_KEY_1D, 3), TypeError, f"uniform: {_NOT_A_KEY}"),
+    "uniform_shape": (
+        lambda: rng.uniform(rng.key(0), (2, -1)),
+        ValueError,
+        f"uniform: shape (2, -1) entry must be in [0, {_F64_MAX}], got -1",
+    ),
+    "uniform_dtype": (
+        lambda: rng.uniform(rng.key(0), 3, dtype=torch.int64),
+        TypeError,
+        f"uniform: dtype must be one of {_FLOATS}, got torch.int64",
+    ),
+    "uniform_low": (
+        lambda: rng.uniform(rng.key(0), 3, low=math.nan),
+        ValueError,
+        "uniform: low must be a finite float, got float nan",
+    ),
+    "uniform_high": (
+        lambda: rng.uniform(rng.key(0), 3, high=math.inf),
+        ValueError,
+        "uniform: high must be a finite float, got float inf",
+    ),
+    "uniform_index": (
+        lambda: rng.uniform(rng.key(0), (3,), index=torch.arange(2)),
+        ValueError,
+        "uniform: index has length 2 but shape (3,) needs shape[0] = 3",
+    ),
+    "normal_key": (lambda: rng.normal(_KEY_1D, 3), TypeError, f"normal: {_NOT_A_KEY}"),
+    "normal_shape": (
+        lambda: rng.normal(rng.key(0), (2, -1)),
+        ValueError,
+        f"normal: shape (2, -1) entry must be in [0, {_F64_MAX}], got -1",
+    ),
+    "normal_dtype": (
+        lambda: rng.normal(rng.key(0), 3, dtype=torch.int64),
+        TypeError,
+        f"normal: dtype must be one of {_FLOATS}, got torch.int64",
+    ),
+    "normal_mean": (
+        lambda: rng.normal(rng.key(0), 3, mean=math.nan),
+        ValueError,
+        "normal: mean must be a finite float, got float nan",
+    ),
+    "normal_std": (
+        lambda: rng.normal(rng.key(0), 3, std=math.inf),
+        ValueError,
+        "normal: std must be a finite float, got float inf",
+    ),
+    "normal_negative_std": (
+        lambda: rng.normal(rng.key(0), 3, std=-0.5),
+        ValueError,
+        "normal: std must be >= 0, got -0.5",
+    ),
+    "normal_index": (
+        lambda: rng.normal(rng.key(0), (3,), index=torch.arange(2)),
+        ValueError,
+        "normal: index has length 2 but shape (3,) needs shape[0] = 3",
+    ),
+    "randint_key": (lambda: rng.randint(_KEY_1D, 0, 3, 3), TypeError, f"randint: {_NOT_A_KEY}"),
+    "randint_low": (
+        lambda: rng.randint(rng.key(0), 0.5, 3, 3),  # type: ignore[arg-type]
+        TypeError,
+        "randint: low must be an int, got float 0.5",
+    ),
+    "randint_high": (
+        lambda: rng.randint(rng.key(0), 0, "3", 3),  # type: ignore[arg-type]
+        TypeError,
+        "randint: high must be an int, got str '3'",
+    ),
+    "randint_range": (
+        lambda: rng.randint(rng.key(0), -(2**63), 2**63 - 1, 3),
+        ValueError,
+        "randint: high - low must be < 2**63, got 18446744073709551615",
+    ),
+    "randint_shape": (
+        lambda: rng.randint(rng.key(0), 0, 3, (2, -1)),
+        ValueError,
+        f"randint: shape (2, -1) entry must be in [0, {_F64_MAX}], got -1",
+    ),
+    "randint_bool": (
+        lambda: rng.randint(rng.key(0), 0, 2, 3, dtype=torch.bool),
+        TypeError,
+        "randint: dtype must be an integer or float dtype, got torch.bool",
+    ),
+    "randint_complex": (
+        lambda: rng.randint(rng.key(0), 0, 2, 3, dtype=torch.complex64),
+        TypeError,
+        "randint: dtype must be an integer or float dtype, got torch.complex64",
+    ),
+    "randint_fit": (
+        lambda: rng.randint(rng.key(0), 0, 257, 3, dtype=torch.uint8),
+        ValueError,
+        "randint: [0, 257) does not fit dtype torch.uint8 [0, 255]",
+    ),
+    "randint_index": (
+        lambda: rng.randint(rng.key(0), 0, 3, (3,), index=torch.arange(2)),
+        ValueError,
+        "randint: index has length 2 but shape (3,) needs shape[0] = 3",
+    ),
+    "randperm_key": (lambda: rng.randperm(_KEY_1D, 3), TypeError, f"randperm: {_NOT_A_KEY}"),
+    "randperm_n": (
+        lambda: rng.randperm(rng.key(0), -1),
+        ValueError,
+        f"randperm: n must be in [0, {_F64_MAX}], got -1",
+    ),
+    "randperm_bool": (
+        lambda: rng.randperm(rng.key(0), 3, dtype=torch.bool),
+        TypeError,
+        "randperm: dtype must be an integer dtype, got torch.bool",
+    ),
+    "randperm_complex": (
+        lambda: rng.randperm(rng.key(0), 3, dtype=torch.complex64),
+        TypeError,
+        "randperm: dtype must be an integer dtype, got torch.complex64",
+    ),
+    "randperm_float": (
+        lambda: rng.randperm(rng.key(0), 3, dtype=torch.float32),
+        TypeError,
+        "randperm: dtype must be an integer dtype, got torch.float32",
+    ),
+    "randperm_fit": (
+        lambda: rng.randperm(rng.key(0), 257, dtype=torch.uint8),
+        ValueError,
+        "randperm: n=257 does not fit dtype torch.uint8",
+    ),
+    "randperm_index": (
+        lambda: rng.randperm(rng.key(0), 3, index=torch.arange(3.0)),
+        TypeError,
+        f"randperm: {_FLOAT_INDEX}",
+    ),
+    "randperm_index_length": (
+        lambda: rng.randperm(rng.key(0), 3, index=torch.ones(2, 2, dtype=torch.int64)),
+        TypeError,
+        "randperm: index must be a 1-D int64 tensor of sample ids, got "
+        "Tensor(shape=(2, 2), dtype=torch.int64, device=cpu)",
+    ),
+    "bernoulli_key": (
+        lambda: rng.bernoulli(_KEY_1D, 0.5, 3),
+        TypeError,
+        f"bernoulli: {_NOT_A_KEY}",
+    ),
+    "bernoulli_shape": (
+        lambda: rng.bernoulli(rng.key(0), 0.5, (2, -1)),
+        ValueError,
+        f"bernoulli: shape (2, -1) entry must be in [0, {_F64_MAX}], got -1",
+    ),
+    "bernoulli_int_p": (
+        lambda: rng.bernoulli(rng.key(0), torch.ones(3, dtype=torch.int64), 3),
+        TypeError,
+        "bernoulli: p must be a float or a float tensor, got "
+        "Tensor(shape=(3,), dtype=torch.int64, device=cpu)",
+    ),
+    "bernoulli_p_shape": (
+        lambda: rng.bernoulli(rng.key(0), torch.ones(2), (3,)),
+        ValueError,
+        "bernoulli: p of shape (2,) does not broadcast to shape (3,)",
+    ),
+    "bernoulli_nan_p": (
+        lambda: rng.bernoulli(rng.key(0), math.nan, 3),
+        ValueError,
+        "bernoulli: p must be a finite float, got float nan",
+    ),
+    "bernoulli_p_range": (
+        lambda: rng.bernoulli(rng.key(0), 1.5, 3),
+        ValueError,
+        "bernoulli: p must be in [0, 1], got 1.5",
+    ),
+    "bernoulli_index": (
+        lambda: rng.bernoulli(rng.key(0), 0.5, (3,), index=torch.arange(2)),
+        ValueError,
+        "bernoulli: index has length 2 but shape (3,) needs shape[0] = 3",
+    ),
+    "fold_in_int32_scalar": (
+        lambda: rng.fold_in(rng.key(0), torch.tensor(3, dtype=torch.int32)),
+        TypeError,
+        "fold_in: data[0] must be an int or an int64 tensor, got "
+        "Tensor(shape=(), dtype=torch.int32, device=cpu)",
+    ),
+    "fold_in_int32_vector": (
+        lambda: rng.fold_in(rng.key(0), 1, torch.arange(3, dtype=torch.int32)),
+        TypeError,
+        "fold_in: data[1] must be an int or an int64 tensor, got "
+        "Tensor(shape=(3,), dtype=torch.int32, device=cpu)",
+    ),
+    "fold_in_too_big": (
+        lambda: rng.fold_in(rng.key(0), torch.arange(2), 2**64),
+        ValueError,
+        "fold_in: data[1] must be in [-9223372036854775808, 18446744073709551615], got "
+        "18446744073709551616",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(WHOLE_MESSAGES))
+def test_every_argument_error_names_the_function_and_the_argument_in_full(case: str) -> None:
+    """Each invalid argument of every draw (key, shape, dtype, bounds, p, index, data) raises
+    one error whose whole message names the function, the argument and the value at fault."""
+    call, exc, message = WHOLE_MESSAGES[case]
+    with pytest.raises(exc) as info:
+        call()
+    assert str(info.value) == message
+
+
+def test_the_edges_of_every_valid_range_are_accepted() -> None:
+    """The closed ends of each argument range are valid: std=0 (and std < 1), p=1 and p=0,
+    randperm n = 2**8 into uint8, randint [0, 256) into uint8, and data up to 2**64 - 1."""
+    k = rng.key(3)
+    assert torch.equal(rng.normal(k, 4, mean=1.5, std=0.0), torch.full((4,), 1.5))
+    assert torch.equal(rng.normal(k, 4, std=0.5), rng.normal(k, 4) * 0.5)
+    assert rng.bernoulli(k, 1.0, 5).tolist() == [1.0] * 5
+    assert rng.bernoulli(k, 0.0, 5).tolist() == [0.0] * 5
+    assert sorted(rng.randperm(k, 256, dtype=torch.uint8).tolist()) == list(range(256))
+    assert int(rng.randint(k, 0, 256, 2000, dtype=torch.uint8).max()) == 255
+    top = rng.fold_in(torch.stack([k, k]), 2**64 - 1)
+    assert torch.equal(top, torch.stack([rng.fold_in(k, -1)] * 2))
+    assert torch.equal(rng.fold_in(k, torch.arange(2), 2**64 - 1)[1], rng.fold_in(k, 1, -1))
+
+
+def test_pinned_literal_values_of_every_dtype_and_affine_draw() -> None:
+    """Pinning test (as test_pinned_literal_values): normal in float32/16/bf16 (computed in
+    float32 with 24 bits, then cast), affine normal and uniform draws in every dtype (computed
+    in float32, float64 for float64, then cast), and a float64 uniform on a very narrow
+    interval (every value low + (high - low) u exactly, none clamped)."""
+    k1 = rng.key(1)
+    normal = {
+        torch.float32: [0.8986774682998657, -0.3327319025993347, 0.05220704525709152],
+        torch.float16: [0.8984375, -0.332763671875, 0.052215576171875],
+        torch.bfloat16: [0.8984375, -0.33203125, 0.05224609375],
+    }
+    affine = {
+        torch.float32: [2.2973549365997314, -0.16546380519866943, 0.6044141054153442],
+        torch.float16: [2.296875, -0.1654052734375, 0.6044921875],
+        torch.bfloat16: [2.296875, -0.1650390625, 0.60546875],
+    }
+    for dt, values in normal.items():
+        got = rng.normal(k1, 3, dtype=dt)
+        assert got.dtype == dt and got.tolist() == values, dt
+        got = rng.normal(k1, 3, mean=0.5, std=2.0, dtype=dt)
+        assert got.dtype == dt and got.tolist() == affine[dt], dt
+    bounded = {
+        torch.float64: [-0.15905242174165268, 2.7178211543242723, -1.7737150113130418],
+        torch.float32: [-0.15905237197875977, 2.7178211212158203, -1.7737151384353638],
+        torch.float16: [-0.1591796875, 2.716796875, -1.775390625],
+        torch.bfloat16: [-0.1640625, 2.703125, -1.78125],
+    }
+    for dt, values in bounded.items():
+        got = rng.uniform(k1, 3, low=-2.0, high=3.0, dtype=dt)
+        assert got.dtype == dt and got.tolist() == values, dt
+    assert rng.uniform(k1, 3, low=0.0, high=2.0, dtype=torch.float64).tolist() == [
+        0.7363790313033389,
+        1.8871284617297088,
+        0.09051399547478334,
+    ]
+    narrow = rng.uniform(k1, 6, low=0.69999998, high=0.7, dtype=torch.float64)
+    u = rng.uniform(k1, 6, dtype=torch.float64)
+    assert torch.equal(narrow, 0.69999998 + (0.7 - 0.69999998) * u)
+    assert narrow.tolist() == [
+        0.6999999873637903,
+        0.6999999988712846,
+        0.6999999809051399,
+        0.6999999955487384,
+        0.6999999843823026,
+        0.6999999954879834,
+    ]
+
+
+def test_normal_is_within_a_few_eps_of_its_formula() -> None:
+    """4096 float32 normals are within 16 eps max(1, |z|) of the formula with D = 24 evaluated in
+    float64 (measured: up to about 11 eps, from 2 pi u rounded in float32), and float64 normals
+    within 8 eps of it with D = 53; a draw from other bits (D = 25, or 54) is far outside."""
+    k = rng.key(11)
+    n = 4096
+    for dt, d, bound in ((torch.float32, 24, 16), (torch.float64, 53, 8)):
+        got = rng.normal(k, n, dtype=dt).double()
+        want = torch.tensor(ref_normal(u64(k), n, d), dtype=torch.float64)
+        eps = torch.finfo(dt).eps
+        assert bool(((got - want).abs() <= bound * eps * want.abs().clamp_min(1)).all()), dt
