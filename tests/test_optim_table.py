@@ -480,6 +480,132 @@ def test_step_result_does_not_depend_on_memory_layout_of_params_or_grads(
     torch.testing.assert_close(got_p["w"], contiguous["w"], rtol=1e-5, atol=1e-6)
 
 
+# The contract pieces: chain, updates over a subset of params, apply_updates -----------
+
+
+def _td(**leaves: Tensor) -> TensorDict:
+    return TensorDict(dict(leaves), batch_size=[])
+
+
+def _decay_by_params(wd: float) -> optim.Transform:
+    """A user transform whose update reads params: ``g + wd * p`` (fails without params)."""
+
+    def update(
+        grads: TensorDict, state: TensorDict, params: TensorDict | None, *, donate: bool = False
+    ) -> tuple[TensorDict, TensorDict]:
+        assert params is not None, "this transform needs params"
+        new = [g + wd * p for g, p in zip(tree.leaves(grads), tree.leaves(params), strict=True)]
+        return tree.rebuild(grads, new), state
+
+    return optim.Transform(init_fn=lambda p: TensorDict({}, []), update_fn=update, name="decay")
+
+
+def _grows_state() -> optim.Transform:
+    """A user transform whose update adds a subtree to its (initially empty) state."""
+
+    def update(
+        grads: TensorDict, state: TensorDict, params: TensorDict | None, *, donate: bool = False
+    ) -> tuple[TensorDict, TensorDict]:
+        seen = tree.map_with_leaves(grads, torch.ones_like)[0]
+        return grads, TensorDict({"seen": seen}, [])
+
+    return optim.Transform(init_fn=lambda p: TensorDict({}, []), update_fn=update, name="grows")
+
+
+def test_chain_refuses_an_empty_chain_and_a_non_transform_with_whole_messages() -> None:
+    """chain() and chain(t, 3) fail at construction, naming the bad argument's index and type."""
+    with pytest.raises(ValueError, match=f"^{re.escape('chain() needs at least one transform')}$"):
+        optim.chain()
+    with pytest.raises(TypeError, match=r"^chain: argument 1 is int, not a Transform$"):
+        optim.chain(optim.sgd(lr=0.1), 3)  # type: ignore[arg-type]
+
+
+def test_chain_keeps_its_parts_as_hparams_and_its_state_under_their_indices() -> None:
+    """A chain's hparams are its parts (in order, for purestep.compile); its state holds one
+    entry per part under "0", "1", ... after init, update and step alike."""
+    clip, sgd = optim.clip_by_global_norm(1.0), optim.sgd(lr=0.1, momentum=0.9)
+    t = optim.chain(clip, sgd)
+    assert t.hparams == (clip, sgd) and t.name == "chain(clip_by_global_norm, sgd)"
+    p, g = _td(w=torch.ones(3)), _td(w=torch.full((3,), 0.5))
+    s0 = t.init(p)
+    _, s1 = t.update(g, s0, p)
+    _, s2 = t.step(g, s1, p)
+    _, s3 = t.update(g, s2, p)  # the updated state feeds the next update
+    for s in (s0, s1, s2, s3):
+        assert sorted(s.keys()) == ["0", "1"]
+    assert not torch.equal(s3["1"]["momentum_buffer", "w"], s1["1"]["momentum_buffer", "w"])
+
+
+@pytest.mark.parametrize("method", ["update", "step"])
+def test_chain_hands_params_to_every_part(method: str) -> None:
+    """Every transform of a chain sees the params, not only the last: a user transform
+    that reads them (``g + wd * p``) gives the same result inside a chain as alone."""
+    t = optim.chain(_decay_by_params(0.5), optim.sgd(lr=1.0))
+    p, g = _td(w=torch.tensor([2.0, 4.0])), _td(w=torch.tensor([1.0, 1.0]))
+    out, _ = getattr(t, method)(g, t.init(p), p)
+    want = torch.tensor([-2.0, -3.0]) if method == "update" else torch.tensor([0.0, 1.0])
+    assert torch.equal(out["w"], want)
+
+
+def test_raw_chain_functions_are_pure_without_donate() -> None:
+    """A chain's own ``update_fn``/``step_fn``, called without ``donate``, write no input:
+    donation is opt-in at every level, not only through Transform.update/step."""
+    t = optim.chain(optim.clip_by_global_norm(0.1), optim.adamw(lr=0.1, weight_decay=0.1))
+    p, g = _td(w=torch.tensor([1.0, -2.0])), _td(w=torch.tensor([3.0, 4.0]))
+    s = t.step(g, t.init(p), p)[1]  # moments that are non-zero
+    before = [p.clone(), g.clone(), s.clone()]
+    t.update_fn(g, s, p)
+    assert t.step_fn is not None
+    t.step_fn(g, s, p)
+    for a, b in zip([p, g, s], before, strict=True):
+        assert_trees_equal(a, b)
+
+
+def test_update_with_grads_for_a_subset_updates_that_subset_and_keeps_the_rest() -> None:
+    """Transform.update with grads for some params: updates for exactly those, the others'
+    per-parameter state unchanged, as Transform.step does."""
+    t = optim.sgd(lr=1.0, momentum=0.5)
+    p = _td(a=torch.ones(2), b=torch.ones(3))
+    s = t.step(_td(a=torch.ones(2), b=torch.ones(3)), t.init(p), p)[1]
+    upd, s2 = t.update(_td(b=torch.full((3,), 2.0)), s, p)
+    assert tree.paths(upd) == [("b",)]
+    assert torch.equal(upd["b"], torch.full((3,), -2.5))  # -(0.5 * 1 + 2)
+    assert torch.equal(s2["momentum_buffer", "a"], s["momentum_buffer", "a"])
+    assert torch.equal(s2["momentum_buffer", "b"], torch.full((3,), 2.5))
+
+
+def test_subset_update_keeps_state_entries_a_transform_adds() -> None:
+    """A transform whose update adds a state subtree keeps it when grads cover a subset."""
+    t = _grows_state()
+    p = _td(a=torch.ones(2), b=torch.ones(3))
+    for method in ("update", "step"):
+        _, s = getattr(t, method)(_td(b=torch.ones(3)), t.init(p), p)
+        assert tree.paths(s) == [("seen", "b")]
+
+
+def test_apply_updates_is_pure_by_default_and_keeps_each_params_dtype() -> None:
+    """apply_updates(params, updates) writes nothing and returns params in their own dtype
+    (a float32 update is cast to the bfloat16 param, as torch.optim's in-place add does)."""
+    p = _td(w=torch.tensor([1.0, 2.0], dtype=torch.bfloat16), v=torch.ones(2))
+    u = _td(w=torch.tensor([0.25, 1e-3]), v=torch.full((2,), 0.5))
+    before = p.clone()
+    out = optim.apply_updates(p, u)
+    assert_trees_equal(p, before)
+    assert out["w"].dtype == torch.bfloat16 and out["v"].dtype == torch.float32
+    assert torch.equal(out["w"], p["w"] + u["w"].to(torch.bfloat16))
+    assert torch.equal(out["v"], torch.full((2,), 1.5))
+    donated = optim.apply_updates(p, u, donate=True)
+    assert donated["w"] is p["w"] and torch.equal(p["w"], out["w"])
+
+
+def test_apply_updates_names_the_updates_that_do_not_match_the_params() -> None:
+    """A structure mismatch names the updates and the path, in the whole message."""
+    with pytest.raises(
+        ValueError, match=r"^updates keys differ from params: missing w; unexpected v$"
+    ):
+        optim.apply_updates(_td(w=torch.ones(2)), _td(v=torch.ones(2)))
+
+
 # Generic transform checks (optimizers and combinators) ---------------------------------
 
 
