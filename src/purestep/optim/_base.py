@@ -53,7 +53,7 @@ class UpdateFn(Protocol):
         state: TensorDictBase,
         params: TensorDictBase | None,
         *,
-        donate: bool = False,
+        donate: bool = False,  # pragma: no mutate (a Protocol stub, never run)
     ) -> tuple[TensorDict, TensorDict]: ...
 
 
@@ -64,7 +64,7 @@ class StepFn(Protocol):
         state: TensorDictBase,
         params: TensorDictBase,
         *,
-        donate: bool = False,
+        donate: bool = False,  # pragma: no mutate (a Protocol stub, never run)
     ) -> tuple[TensorDict, TensorDict]: ...
 
 
