@@ -468,46 +468,46 @@ def test_index_counts_and_one_element_tensors_evaluate_like_ints() -> None:
 
 
 @pytest.mark.parametrize(
-    ("s", "text"),
+    ("make", "text"),
     [
-        (S.constant(1), "constant(value=1.0)"),
-        (S.linear(1, 0, 4), "linear(start=1.0, end=0.0, steps=4)"),
-        (S.cosine_decay(2, 5), "cosine_decay(init=2.0, steps=5, end=0.0)"),
+        (lambda: S.constant(1), "constant(value=1.0)"),
+        (lambda: S.linear(1, 0, 4), "linear(start=1.0, end=0.0, steps=4)"),
+        (lambda: S.cosine_decay(2, 5), "cosine_decay(init=2.0, steps=5, end=0.0)"),
         (
-            S.warmup_cosine(1, 2, 6),
+            lambda: S.warmup_cosine(1, 2, 6),
             "warmup_cosine(peak=1.0, warmup_steps=2, total_steps=6, init=0.0, end=0.0)",
         ),
         (
-            S.warmup_cosine(1, 0, 6),
+            lambda: S.warmup_cosine(1, 0, 6),
             "warmup_cosine(peak=1.0, warmup_steps=0, total_steps=6, init=0.0, end=0.0)",
         ),
         (
-            S.warmup_linear(1, 2, 6, init=0.5, end=0.25),
+            lambda: S.warmup_linear(1, 2, 6, init=0.5, end=0.25),
             "warmup_linear(peak=1.0, warmup_steps=2, total_steps=6, init=0.5, end=0.25)",
         ),
         (
-            S.warmup_linear(1, 0, 6),
+            lambda: S.warmup_linear(1, 0, 6),
             "warmup_linear(peak=1.0, warmup_steps=0, total_steps=6, init=0.0, end=0.0)",
         ),
         (
-            S.join([S.constant(1.0), S.linear(1.0, 0.0, 2)], [3]),
+            lambda: S.join([S.constant(1.0), S.linear(1.0, 0.0, 2)], [3]),
             "join(schedules=(constant(value=1.0), linear(start=1.0, end=0.0, steps=2)), "
             "boundaries=(3,))",
         ),
         (
-            S.piecewise_constant(1, {4: 0.1, 2: 0.5}),
+            lambda: S.piecewise_constant(1, {4: 0.1, 2: 0.5}),
             "piecewise_constant(init=1.0, boundaries_and_scales={2: 0.5, 4: 0.1})",
         ),
         (
-            S.in_steps(S.constant(2), every=3),
+            lambda: S.in_steps(S.constant(2), every=3),
             "in_steps(constant(value=2.0), every=3)",
         ),
     ],
     ids=lambda v: safe_id(v) if isinstance(v, str) else None,
 )
-def test_repr_is_the_exact_call_with_every_field(s: Schedule, text: str) -> None:
+def test_repr_is_the_exact_call_with_every_field(make: Callable[[], Schedule], text: str) -> None:
     """repr(schedule) is the constructor call with every field (ints shown as floats)."""
-    assert repr(s) == text
+    assert repr(make()) == text
 
 
 def test_int_arguments_become_floats_and_values_are_floats() -> None:
@@ -525,13 +525,15 @@ def test_int_arguments_become_floats_and_values_are_floats() -> None:
 
 
 def test_defaults_are_the_documented_ones() -> None:
-    """cosine_decay ends at 0.0, warmups start and end at 0.0, and a one-step ramp is allowed;
+    """cosine_decay ends at 0.0, warmups start and end at 0.0, a one-step ramp and a boundary
+    at count 0 are allowed;
     the schedule classes take the same defaults as their constructors."""
     assert S.cosine_decay(2.0, 4)(4) == 0.0
     assert S.warmup_cosine(1.0, 2, 4)(4) == 0.0 and S.warmup_cosine(1.0, 2, 4)(0) == 0.0
     assert S.warmup_linear(1.0, 2, 4)(0) == 0.0 and S.warmup_linear(1.0, 2, 4)(4) == 0.0
     assert [S.linear(1.0, 0.0, 1)(n) for n in range(3)] == [1.0, 0.0, 0.0]
     assert S.warmup_linear(1.0, 0, 1)(0) == 1.0
+    assert [S.piecewise_constant(1.0, {0: 0.5})(n) for n in range(2)] == [0.5, 0.5]
     assert type(S.cosine_decay(2.0, 4))(2.0, 4) == S.cosine_decay(2.0, 4)
     with pytest.raises(TypeError):
         type(S.constant(1.0))()  # type: ignore[call-arg]
