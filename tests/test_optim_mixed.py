@@ -226,6 +226,12 @@ def test_grads_and_updates_are_in_the_master_dtype() -> None:
     assert s2["inner", "nu", "a"].dtype == torch.float32
     assert updates["a"].dtype == torch.float32
     assert torch.equal(updates["a"], s2["master", "a"] - x.float())
+    g_odd = TensorDict({"a": torch.tensor([0.1, 1.0 / 3.0], dtype=torch.float64)}, [])
+    as_f32 = TensorDict({"a": g_odd["a"].float()}, [])
+    for got, want in zip(t.update(g_odd, s, p), t.update(as_f32, s, p), strict=True):
+        testing.assert_trees_equal(got, want)
+    sgd = optim.mixed_precision(optim.sgd(0.1))
+    assert sgd.step(g_odd, sgd.init(p), p)[1]["master", "a"].dtype == torch.float32
     p3, s3 = t.step(g, s, p)
     assert s3["inner", "mu", "a"].dtype == torch.float32 and p3["a"].dtype == torch.float64
 
