@@ -160,3 +160,95 @@ def test_bad_arguments_are_refused_by_name() -> None:
         optim.mixed_precision(optim.adam(0.1), master_dtype=torch.int32)
     with pytest.raises(TypeError, match=r"param .*n.* has dtype torch.int64"):
         optim.mixed_precision(optim.adam(0.1)).init(TensorDict({"n": torch.ones(2).long()}, []))
+
+
+def test_errors_name_the_transform_the_param_and_the_tree_exactly() -> None:
+    """Each refusal is the full message: the wrong inner's type, the non-floating param's
+    path and dtype, a missing params argument, and the params that differ from the masters."""
+    t = optim.mixed_precision(optim.adam(0.1))
+    p = TensorDict({"a": torch.ones(2)}, [])
+    s = t.init(p)
+    cases: list[tuple[Any, type[Exception], str]] = [
+        (
+            lambda: optim.mixed_precision(lambda g: g),  # type: ignore[arg-type]
+            TypeError,
+            "mixed_precision: inner is function, not a Transform",
+        ),
+        (
+            lambda: t.init(TensorDict({"n": {"k": torch.ones(2).long()}}, [])),
+            TypeError,
+            "mixed_precision: param n.k has dtype torch.int64; master weights need floating params",
+        ),
+        (
+            lambda: t.update(p, s, None),
+            ValueError,
+            "mixed_precision: update needs params (the master copy is per param)",
+        ),
+        (
+            lambda: t.step(
+                TensorDict({"b": torch.ones(2)}, []), s, TensorDict({"b": torch.ones(2)}, [])
+            ),
+            ValueError,
+            "the master params keys differ from params: missing b; unexpected a",
+        ),
+    ]
+    for make, exc, message in cases:
+        with pytest.raises(exc) as info:
+            make()
+        assert type(info.value) is exc and str(info.value) == message
+    assert t.name == "mixed_precision(adam)"
+
+
+def test_masters_never_alias_the_params_even_in_the_same_dtype() -> None:
+    """With float32 params and float32 masters, init copies the params and a pure step's new
+    params are not the new masters: writing into one leaves the other unchanged."""
+    t = optim.mixed_precision(optim.sgd(0.5))
+    p = TensorDict({"a": torch.ones(2)}, [])
+    s = t.init(p)
+    p["a"].add_(1.0)
+    assert torch.equal(s["master", "a"], torch.ones(2))
+    p2, s2 = t.step(TensorDict({"a": torch.ones(2)}, []), s, TensorDict({"a": torch.ones(2)}, []))
+    assert torch.equal(p2["a"], torch.full((2,), 0.5))
+    p2["a"].add_(1.0)
+    assert torch.equal(s2["master", "a"], torch.full((2,), 0.5))
+
+
+def test_grads_and_updates_are_in_the_master_dtype() -> None:
+    """float64 params and grads with float32 masters: the inner optimizer sees float32 grads
+    (float32 moments), and update returns float32 updates new_master - params."""
+    t = optim.mixed_precision(optim.adam(0.1))
+    x = torch.tensor([1.0 + 2.0**-40, 2.0], dtype=torch.float64)  # not float32-representable
+    p = TensorDict({"a": x}, [])
+    g = TensorDict({"a": torch.tensor([0.5, -0.25], dtype=torch.float64)}, [])
+    s = t.init(p)
+    updates, s2 = t.update(g, s, p)
+    assert s2["inner", "mu", "a"].dtype == torch.float32
+    assert s2["inner", "nu", "a"].dtype == torch.float32
+    assert updates["a"].dtype == torch.float32
+    assert torch.equal(updates["a"], s2["master", "a"] - x.float())
+    g_odd = TensorDict({"a": torch.tensor([0.1, 1.0 / 3.0], dtype=torch.float64)}, [])
+    as_f32 = TensorDict({"a": g_odd["a"].float()}, [])
+    for got, want in zip(t.update(g_odd, s, p), t.update(as_f32, s, p), strict=True):
+        testing.assert_trees_equal(got, want)
+    sgd = optim.mixed_precision(optim.sgd(0.1))
+    assert sgd.step(g_odd, sgd.init(p), p)[1]["master", "a"].dtype == torch.float32
+    p3, s3 = t.step(g, s, p)
+    assert s3["inner", "mu", "a"].dtype == torch.float32 and p3["a"].dtype == torch.float64
+
+
+@pytest.mark.parametrize("method", ["step", "update"])
+def test_donate_updates_masters_and_moments_in_place_and_is_off_by_default(method: str) -> None:
+    """donate=True writes the new masters and the inner moments into the given state; without
+    donate (also calling update_fn/step_fn directly) the given state is left unchanged."""
+    t = optim.mixed_precision(optim.adam(0.1))
+    p = TensorDict({"a": torch.ones(2, dtype=torch.bfloat16)}, [])
+    g = TensorDict({"a": torch.ones(2, dtype=torch.bfloat16)}, [])
+    s = t.init(p)
+    before = s.clone()
+    for call in (getattr(t, method), getattr(t, method + "_fn")):
+        call(g, s, p.clone())
+        testing.assert_trees_equal(s, before)
+    _, s2 = getattr(t, method)(g, s, p.clone(), donate=True)
+    assert not torch.equal(s["master", "a"], before["master", "a"])
+    for key in ("master", ("inner", "mu"), ("inner", "nu")):
+        testing.assert_trees_equal(s[key], s2[key])

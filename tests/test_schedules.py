@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
 from typing import Any
 
+import attrs
 import pytest
 import torch
 from hypothesis import given, settings
@@ -299,3 +301,263 @@ def test_bad_counts_are_rejected() -> None:
         s(1.5)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="int"):
         schedules.linear(1.0, 0.0, 2.5)  # type: ignore[arg-type]
+
+
+# --- exact messages, reprs, defaults, first_count_below edges ------------------------
+
+S = schedules
+
+
+@pytest.mark.parametrize(
+    ("make", "exc", "message"),
+    [
+        (
+            lambda: S.linear(1e308, -1e308, 3),
+            ValueError,
+            "linear: end - start overflows (start=1e+308, end=-1e+308); "
+            "the values in between would not be finite",
+        ),
+        (
+            lambda: S.cosine_decay(-1e308, 3, end=1e308),
+            ValueError,
+            "cosine_decay: end - init overflows (init=-1e+308, end=1e+308); "
+            "the values in between would not be finite",
+        ),
+        (lambda: S.constant("a"), TypeError, "value must be a real number, got 'a'"),
+        (lambda: S.constant(True), TypeError, "value must be a real number, got True"),
+        (lambda: S.constant(float("nan")), ValueError, "value must be finite, got nan"),
+        (lambda: S.linear(1.0, 0.0, True), TypeError, "steps must be an int, got True"),
+        (lambda: S.linear(1.0, 0.0, 2.0), TypeError, "steps must be an int, got 2.0"),
+        (lambda: S.linear(1.0, 0.0, 0), ValueError, "steps must be >= 1, got 0"),
+        (
+            lambda: S.warmup_linear(1.0, -1, 3),
+            ValueError,
+            "warmup_steps must be >= 0, got -1",
+        ),
+        (
+            lambda: S.warmup_cosine(1.0, 4, 4),
+            ValueError,
+            "total_steps must be > warmup_steps, got total_steps=4, warmup_steps=4",
+        ),
+        (lambda: S.join([], []), ValueError, "join: schedules must not be empty"),
+        (
+            lambda: S.join([S.constant(1.0), 3], [1]),
+            TypeError,
+            "join: schedules[1] is not callable: 3",
+        ),
+        (
+            lambda: S.join([S.constant(1.0)], [1]),
+            ValueError,
+            "join: boundaries must have len(schedules) - 1 = 0 entries, got 1",
+        ),
+        (
+            lambda: S.join([S.constant(1.0)] * 3, [1]),
+            ValueError,
+            "join: boundaries must have len(schedules) - 1 = 2 entries, got 1",
+        ),
+        *[
+            (
+                lambda b=b: S.join([S.constant(1.0)] * 2, [b]),
+                ValueError,
+                f"join: boundaries[0] must be an int >= 0, got {b!r}",
+            )
+            for b in (-1, True, 2.5)
+        ],
+        (
+            lambda: S.join([S.constant(1.0)] * 3, [4, 2]),
+            ValueError,
+            "join: boundaries must be non-decreasing, got [4, 2]",
+        ),
+        *[
+            (
+                lambda e=e: S.piecewise_constant(1.0, [e]),
+                ValueError,
+                "piecewise_constant: boundaries_and_scales entries must be (boundary, scale) "
+                f"pairs, got {e!r}",
+            )
+            for e in (5, [1, 0.5, 2], (1,))
+        ],
+        *[
+            (
+                lambda b=b: S.piecewise_constant(1.0, [(b, 0.5)]),
+                ValueError,
+                "piecewise_constant: boundaries_and_scales boundary must be an int >= 0, "
+                f"got {b!r}",
+            )
+            for b in (-1, True, 1.0)
+        ],
+        *[
+            (
+                lambda s=s: S.piecewise_constant(1.0, {2: s}),
+                ValueError,
+                "piecewise_constant: boundaries_and_scales scale at boundary 2 must be a "
+                f"finite number, got {s!r}",
+            )
+            for s in (float("nan"), float("inf"), True, "0.5")
+        ],
+        (
+            lambda: S.piecewise_constant(1.0, [(3, 0.5), (3, 0.1)]),
+            ValueError,
+            "piecewise_constant: boundary 3 appears twice",
+        ),
+        (
+            lambda: S.piecewise_constant(1e300, {1: 2.0, 5: 1e308}),
+            ValueError,
+            "piecewise_constant: the value from boundary 5 on is inf (init times the "
+            "scales up to it overflows); every value must be finite",
+        ),
+        *[
+            (
+                lambda e=e: S.in_steps(S.constant(1.0), every=e),
+                ValueError,
+                f"in_steps: every must be an int >= 1, got {e!r}",
+            )
+            for e in (0, -2, True, 2.0)
+        ],
+        (
+            lambda: S.in_steps(42, every=1),
+            TypeError,
+            "in_steps: schedule must be a callable count -> value, got 42",
+        ),
+    ],
+    ids=lambda v: safe_id(str(v)) if isinstance(v, str) else None,
+)
+def test_bad_arguments_raise_the_exact_documented_message(
+    make: Callable[[], Schedule], exc: type[Exception], message: str
+) -> None:
+    """Each invalid schedule argument raises its own exception type with the full message
+    (the argument, its value and the rule it breaks), not a side effect of later code."""
+    with pytest.raises(exc) as info:
+        make()
+    assert type(info.value) is exc and str(info.value) == message
+
+
+def test_bad_counts_raise_the_exact_message() -> None:
+    """A count that is not a non-negative integer scalar is refused with the full message."""
+    s = S.linear(1.0, 0.0, 10)
+    cases: list[tuple[Any, type[Exception], str]] = [
+        (
+            torch.tensor([1, 2]),
+            TypeError,
+            "schedule count must be an int or a one-element integer tensor, got a "
+            "torch.int64 tensor of shape (2,)",
+        ),
+        (
+            torch.tensor(1.0),
+            TypeError,
+            "schedule count must be an int or a one-element integer tensor, got a "
+            "torch.float32 tensor of shape ()",
+        ),
+        (1.5, TypeError, "schedule count must be an int, got 1.5"),
+        (-3, ValueError, "schedule count must be >= 0, got -3"),
+    ]
+    for count, exc, message in cases:
+        with pytest.raises(exc) as info:
+            s(count)
+        assert type(info.value) is exc and str(info.value) == message, count
+
+
+def test_index_counts_and_one_element_tensors_evaluate_like_ints() -> None:
+    """A numpy integer or a one-element (any shape) int tensor is the count it holds."""
+    np = pytest.importorskip("numpy")
+    s = S.linear(1.0, 0.0, 10)
+    assert s(np.int64(3)) == s(3) == 0.7
+    assert s(torch.tensor([[4]], dtype=torch.int32)) == s(4)
+    with pytest.raises(ValueError, match=re.escape("schedule count must be >= 0, got -1")):
+        s(np.int64(-1))
+
+
+@pytest.mark.parametrize(
+    ("make", "text"),
+    [
+        (lambda: S.constant(1), "constant(value=1.0)"),
+        (lambda: S.linear(1, 0, 4), "linear(start=1.0, end=0.0, steps=4)"),
+        (lambda: S.cosine_decay(2, 5), "cosine_decay(init=2.0, steps=5, end=0.0)"),
+        (
+            lambda: S.warmup_cosine(1, 2, 6),
+            "warmup_cosine(peak=1.0, warmup_steps=2, total_steps=6, init=0.0, end=0.0)",
+        ),
+        (
+            lambda: S.warmup_cosine(1, 0, 6),
+            "warmup_cosine(peak=1.0, warmup_steps=0, total_steps=6, init=0.0, end=0.0)",
+        ),
+        (
+            lambda: S.warmup_linear(1, 2, 6, init=0.5, end=0.25),
+            "warmup_linear(peak=1.0, warmup_steps=2, total_steps=6, init=0.5, end=0.25)",
+        ),
+        (
+            lambda: S.warmup_linear(1, 0, 6),
+            "warmup_linear(peak=1.0, warmup_steps=0, total_steps=6, init=0.0, end=0.0)",
+        ),
+        (
+            lambda: S.join([S.constant(1.0), S.linear(1.0, 0.0, 2)], [3]),
+            "join(schedules=(constant(value=1.0), linear(start=1.0, end=0.0, steps=2)), "
+            "boundaries=(3,))",
+        ),
+        (
+            lambda: S.piecewise_constant(1, {4: 0.1, 2: 0.5}),
+            "piecewise_constant(init=1.0, boundaries_and_scales={2: 0.5, 4: 0.1})",
+        ),
+        (
+            lambda: S.in_steps(S.constant(2), every=3),
+            "in_steps(constant(value=2.0), every=3)",
+        ),
+    ],
+    ids=lambda v: safe_id(v) if isinstance(v, str) else None,
+)
+def test_repr_is_the_exact_call_with_every_field(make: Callable[[], Schedule], text: str) -> None:
+    """repr(schedule) is the constructor call with every field (ints shown as floats)."""
+    assert repr(make()) == text
+
+
+def test_int_arguments_become_floats_and_values_are_floats() -> None:
+    """Integer values are stored and returned as Python floats."""
+    for s in (
+        S.constant(2),
+        S.linear(2, 0, 4),
+        S.cosine_decay(2, 4),
+        S.piecewise_constant(2, {1: 1}),
+    ):
+        assert type(s(0)) is float and s(0) == 2.0
+        for field in attrs.fields(type(s)):
+            if field.name in ("value", "start", "init", "end"):
+                assert type(getattr(s, field.name)) is float
+
+
+def test_defaults_are_the_documented_ones() -> None:
+    """cosine_decay ends at 0.0, warmups start and end at 0.0, a one-step ramp and a boundary
+    at count 0 are allowed;
+    the schedule classes take the same defaults as their constructors."""
+    assert S.cosine_decay(2.0, 4)(4) == 0.0
+    assert S.warmup_cosine(1.0, 2, 4)(4) == 0.0 and S.warmup_cosine(1.0, 2, 4)(0) == 0.0
+    assert S.warmup_linear(1.0, 2, 4)(0) == 0.0 and S.warmup_linear(1.0, 2, 4)(4) == 0.0
+    assert [S.linear(1.0, 0.0, 1)(n) for n in range(3)] == [1.0, 0.0, 0.0]
+    assert S.warmup_linear(1.0, 0, 1)(0) == 1.0
+    assert [S.piecewise_constant(1.0, {0: 0.5})(n) for n in range(2)] == [0.5, 0.5]
+    assert type(S.cosine_decay(2.0, 4))(2.0, 4) == S.cosine_decay(2.0, 4)
+    with pytest.raises(TypeError):
+        type(S.constant(1.0))()  # type: ignore[call-arg]
+
+
+def test_first_count_below_respects_the_threshold_and_the_join_windows() -> None:
+    """first_count_below uses the given threshold, counts a join part only inside its
+    window, and an in_steps schedule only at the counts its updates see."""
+    lin = S.linear(1.0, 0.0, 10)  # 0.5 at 5, 0.4 at 6
+    assert S.first_count_below(S.join([lin], []), 0.5) == 6
+    assert S.first_count_below(S.in_steps(lin, every=2), 0.5) == 3
+    dip = S.linear(1.0, -1.0, 4)  # first below 0 at count 3
+    assert S.first_count_below(S.join([dip, S.constant(1.0)], [2])) is None
+    assert S.first_count_below(S.join([dip, S.constant(1.0)], [3])) is None
+    assert S.first_count_below(S.join([dip, S.constant(1.0)], [4])) == 3
+    mid = S.join([S.constant(1.0), dip, S.constant(1.0)], [2, 4])
+    assert S.first_count_below(mid) is None and min(mid(n) for n in range(10)) >= 0.0
+    assert S.first_count_below(S.join([S.constant(1.0), dip, S.constant(1.0)], [2, 6])) == 5
+    # values 1, -1, 1: below 0 only at count 1, which every=2 never sees
+    back_up = S.piecewise_constant(1.0, {1: -1.0, 2: -1.0})
+    assert S.first_count_below(back_up) == 1
+    assert S.first_count_below(S.in_steps(back_up, every=2)) is None
+    # values 1, -1, -0.0: at count 2 (update 1) the value equals the threshold
+    to_zero = S.piecewise_constant(1.0, {1: -1.0, 2: 0.0})
+    assert S.first_count_below(S.in_steps(to_zero, every=2)) is None
+    assert S.first_count_below(S.piecewise_constant(1.0, {2: 0.5, 5: -1.0})) == 5
+    assert S.first_count_below(S.piecewise_constant(1.0, {2: 0.5, 5: -1.0}), 0.75) == 2
