@@ -185,3 +185,23 @@ def test_dtensor_leaves_match_plain_tensors(world1: Any, donate: bool) -> None:
         assert isinstance(upd["w"], DTensor)
         ref_u, _ = opt.update(plain_g, opt.init(plain_p), plain_p)
         torch.testing.assert_close(upd["w"].full_tensor(), ref_u["w"])
+
+
+def test_clip_init_state_is_a_float32_zero_norm_and_update_does_not_donate_by_default() -> None:
+    """init gives a float32 scalar norm of 0 on the params' device whatever the default
+    dtype; update without donate leaves the caller's grads untouched."""
+    params = as_tree([torch.zeros(2, dtype=torch.float64)])
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        state = optim.clip_by_global_norm(1.0).init(params)
+    finally:
+        torch.set_default_dtype(old)
+    assert state["norm"].dtype == torch.float32
+    assert state["norm"].device == torch.device("cpu")
+    assert float(state["norm"]) == 0.0
+    g = as_tree([torch.tensor([3.0, 4.0])])
+    before = g["head"].clone()
+    out, _ = optim.clip_by_global_norm(1.0).update(g, state)
+    assert torch.equal(g["head"], before)
+    assert torch.allclose(out["head"], before / (5.0 + 1e-6))
