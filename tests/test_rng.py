@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from _ids import safe_id
 from purestep import _rng_dispatch, rng
 
 # --------------------------------------------------------------------------- reference
@@ -953,3 +954,393 @@ def test_normal_is_within_a_few_eps_of_its_formula() -> None:
         want = torch.tensor(ref_normal(u64(k), n, d), dtype=torch.float64)
         eps = torch.finfo(dt).eps
         assert bool(((got - want).abs() <= bound * eps * want.abs().clamp_min(1)).all()), dt
+
+
+# --------------------------------------------------------------------------- kernel contract
+# The fused kernels (purestep._rng_triton) need CUDA and triton; their calling contract (an
+# empty contiguous output of rows * n elements in the result dtype on the draw's device, the
+# 0-dim key, the index, the row length and the draw's parameters) is checked here on the CPU
+# with a stand-in module that computes the documented formulas from the pure-Python reference.
+
+
+class _ReferenceKernels:
+    """A stand-in for purestep._rng_triton: each function checks its arguments against the
+    documented contract, writes the reference values into ``out`` (left as is on meta) and
+    records the call."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[Any, ...]] = []
+
+    def _rows(self, out: torch.Tensor, key: torch.Tensor, index: Any, n: int) -> list[int]:
+        assert isinstance(out, torch.Tensor) and out.dim() == 1 and out.is_contiguous()
+        assert isinstance(key, torch.Tensor) and key.dtype == torch.int64 and key.dim() == 0
+        assert index is None or (index.dtype == torch.int64 and index.device == out.device)
+        assert isinstance(n, int)
+        rows = 1 if index is None else index.shape[0]
+        assert out.numel() == rows * n, (out.numel(), rows, n)
+        if out.device.type == "meta":
+            return []
+        if index is None:
+            return [u64(key)]
+        return [ref_fold_in(u64(key), i) for i in index.tolist()]
+
+    def _fill(self, out: torch.Tensor, values: list[Any], dtype: torch.dtype) -> torch.Tensor:
+        if out.device.type != "meta":
+            out.copy_(torch.tensor(values, dtype=dtype))
+        return out
+
+    def words(self, out: torch.Tensor, key: torch.Tensor, index: Any, n: int) -> torch.Tensor:
+        assert out.dtype == torch.int64
+        self.calls.append(("words", out.dtype, out.device.type, n))
+        w = [ref_signed(x) for k in self._rows(out, key, index, n) for x in ref_bits(k, n)]
+        return self._fill(out, w, torch.int64)
+
+    def uniform(
+        self, out: torch.Tensor, key: torch.Tensor, index: Any, n: int, d: int
+    ) -> torch.Tensor:
+        self.calls.append(("uniform", out.dtype, out.device.type, n, d))
+        w = [x for k in self._rows(out, key, index, n) for x in ref_bits(k, n)]
+        return self._fill(out, [(x >> (64 - d)) / 2.0**d for x in w], torch.float64)
+
+    def randint(
+        self, out: torch.Tensor, key: torch.Tensor, index: Any, n: int, lo: int, span: int
+    ) -> torch.Tensor:
+        self.calls.append(("randint", out.dtype, out.device.type, n, lo, span))
+        w = [x for k in self._rows(out, key, index, n) for x in ref_bits(k, n)]
+        return self._fill(out, [lo + (x >> 1) % span for x in w], torch.int64)
+
+    def bernoulli(
+        self, out: torch.Tensor, key: torch.Tensor, index: Any, n: int, p: float
+    ) -> torch.Tensor:
+        self.calls.append(("bernoulli", out.dtype, out.device.type, n, p))
+        w = [x for k in self._rows(out, key, index, n) for x in ref_bits(k, n)]
+        return self._fill(out, [(x >> 11) / 2.0**53 < p for x in w], torch.bool)
+
+    def normal(
+        self, out: torch.Tensor, key: torch.Tensor, index: Any, n: int, d: int
+    ) -> torch.Tensor:
+        self.calls.append(("normal", out.dtype, out.device.type, n, d))
+        z = [x for k in self._rows(out, key, index, n) for x in ref_normal(k, n, d)]
+        return self._fill(out, z, torch.float64)
+
+
+_IDX3 = torch.tensor([4, -9, 2**50])
+# (the draw, the kernel calls it makes: (kernel, out dtype, n, parameters...)); shapes (3, 5)
+# with index (n = 5 per row), 6 without
+KERNEL_DRAWS: dict[str, tuple[Callable[..., torch.Tensor], tuple[Any, ...]]] = {
+    "uniform_f64": (
+        lambda k, s, **kw: rng.uniform(k, s, dtype=torch.float64, **kw),
+        ("uniform", torch.float64, 53),
+    ),
+    "uniform_f16": (
+        lambda k, s, **kw: rng.uniform(k, s, dtype=torch.float16, **kw),
+        ("uniform", torch.float16, 11),
+    ),
+    "uniform_bounds_f16": (  # computed in float32 (11 bits), then scaled and cast
+        lambda k, s, **kw: rng.uniform(k, s, low=-1.0, high=2.0, dtype=torch.float16, **kw),
+        ("uniform", torch.float32, 11),
+    ),
+    "uniform_bounds_f64": (
+        lambda k, s, **kw: rng.uniform(k, s, low=-1.0, high=2.0, dtype=torch.float64, **kw),
+        ("uniform", torch.float64, 53),
+    ),
+    "normal_f64": (
+        lambda k, s, **kw: rng.normal(k, s, dtype=torch.float64, **kw),
+        ("normal", torch.float64, 53),
+    ),
+    "normal_bf16": (
+        lambda k, s, **kw: rng.normal(k, s, dtype=torch.bfloat16, **kw),
+        ("normal", torch.bfloat16, 24),
+    ),
+    "normal_affine_bf16": (  # computed in float32, then scaled and cast
+        lambda k, s, **kw: rng.normal(k, s, mean=1.0, std=2.0, dtype=torch.bfloat16, **kw),
+        ("normal", torch.float32, 24),
+    ),
+    "randint": (
+        lambda k, s, **kw: rng.randint(k, -3, 17, s, **kw),
+        ("randint", torch.int64, -3, 20),
+    ),
+    "randint_i16": (
+        lambda k, s, **kw: rng.randint(k, 100, 107, s, dtype=torch.int16, **kw),
+        ("randint", torch.int16, 100, 7),
+    ),
+    "bernoulli": (
+        lambda k, s, **kw: rng.bernoulli(k, 0.4, s, **kw),
+        ("bernoulli", torch.float32, 0.4),
+    ),
+    "bernoulli_bool": (
+        lambda k, s, **kw: rng.bernoulli(k, 0.7, s, dtype=torch.bool, **kw),
+        ("bernoulli", torch.bool, 0.7),
+    ),
+    "bernoulli_tensor_p": (
+        lambda k, s, **kw: rng.bernoulli(k, torch.full(s[-1:], 0.6), s, dtype=torch.float64, **kw),
+        ("uniform", torch.float64, 53),
+    ),
+    "randperm": (lambda k, s, **kw: rng.randperm(k, s[-1], **kw), ("words", torch.int64)),
+}
+
+
+def _through(kern: _ReferenceKernels) -> Callable[..., torch.Tensor]:
+    """rng's ``draw`` hook, handing every core the stand-in kernels (no check, no fallback)."""
+    return lambda rows, sig, core: core(rows, kern)
+
+
+@pytest.mark.parametrize("name", list(KERNEL_DRAWS))
+def test_each_draw_hands_its_kernel_the_documented_arguments(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Through kernels that honour the documented formulas, every draw (with and without
+    index) equals the eager draw: same values, dtype, shape; each kernel gets an output of rows x
+    n elements in the draw's compute dtype, the key, the index, n and the draw's parameters."""
+    draw, (kernel, out_dtype, *params) = KERNEL_DRAWS[name]
+    k = rng.fold_in(rng.key(23), 1)
+    cases = [((6,), {}), ((3, 5), {"index": _IDX3})]
+    eager = [draw(k, s, **kw) for s, kw in cases]
+    kern = _ReferenceKernels()
+    monkeypatch.setattr(rng, "draw", _through(kern))
+    for (s, kw), want in zip(cases, eager, strict=True):
+        kern.calls.clear()
+        got = draw(k, s, **kw)
+        assert kern.calls == [(kernel, out_dtype, "cpu", s[-1], *params)], kern.calls
+        assert got.dtype == want.dtype and got.shape == want.shape, (got, want)
+        if kernel == "normal":  # the reference formula in float64, rounded once
+            eps = torch.finfo(want.dtype).eps
+            err = (got.double() - want.double()).abs()
+            assert bool((err <= 16 * eps * want.double().abs().clamp_min(1)).all()), (got, want)
+        else:
+            assert torch.equal(got, want), (got, want)
+
+
+@pytest.mark.parametrize("name", list(KERNEL_DRAWS))
+def test_kernel_outputs_live_on_the_draw_device(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A draw on another device (meta, standing in for CUDA) gives its kernel an output on that
+    device, with a CPU key and the index moved there, and returns the kernel's output there."""
+    draw, (kernel, out_dtype, *params) = KERNEL_DRAWS[name]
+    k = rng.key(24)
+    kern = _ReferenceKernels()
+    monkeypatch.setattr(rng, "draw", _through(kern))
+    for s, kw in (((6,), {"device": "meta"}), ((3, 5), {"index": _IDX3.to("meta")})):
+        kern.calls.clear()
+        got = draw(k, s, **kw)
+        assert kern.calls == [(kernel, out_dtype, "meta", s[-1], *params)], kern.calls
+        assert got.device.type == "meta" and got.shape == s
+
+
+class _WrongKernels:
+    """A stand-in for purestep._rng_triton whose every kernel writes zeros (a broken build)."""
+
+    def words(self, out: torch.Tensor, *args: Any) -> torch.Tensor:
+        return out.zero_()
+
+    uniform = randint = bernoulli = normal = words
+
+
+_DISABLED = (
+    "purestep.rng: the fused CUDA kernels are disabled for this process, draws use the eager "
+    "path (RuntimeError: the {} kernel disagrees with the eager path ({}))"
+)
+# each draw kind and the signature its one-time check names (draw, dtype, unscaled)
+WRONG_KERNEL_DRAWS: dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], tuple[Any, ...]]] = {
+    "uniform": (
+        lambda k: rng.uniform(k, 7, dtype=torch.float16),
+        ("uniform", torch.float16, True),
+    ),
+    "uniform_bounds": (
+        lambda k: rng.uniform(k, 7, low=-1.0, high=1.0),
+        ("uniform", torch.float32, False),
+    ),
+    "normal": (lambda k: rng.normal(k, 7, dtype=torch.float64), ("normal", torch.float64, True)),
+    "normal_affine": (
+        lambda k: rng.normal(k, 7, mean=1.0, dtype=torch.bfloat16),
+        ("normal", torch.bfloat16, False),
+    ),
+    "normal_std": (lambda k: rng.normal(k, 7, std=2.0), ("normal", torch.float32, False)),
+    "randint": (lambda k: rng.randint(k, -3, 17, 7, dtype=torch.int32), ("randint", torch.int32)),
+    "randperm": (lambda k: rng.randperm(k, 7), ("randperm",)),
+    "bernoulli": (lambda k: rng.bernoulli(k, 0.3, 7, dtype=torch.bool), ("bernoulli", torch.bool)),
+    "bernoulli_tensor_p": (  # compares the float64 uniform with p: uniform's kernel family
+        lambda k: rng.bernoulli(k, torch.full((7,), 0.3), 7),
+        ("uniform", torch.float64, True),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(WRONG_KERNEL_DRAWS))
+def test_a_kernel_that_disagrees_is_named_in_one_warning_and_the_eager_draw_is_used(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first kernel draw of each kind is checked against the eager path; a kernel that
+    disagrees is switched off with one RuntimeWarning naming the draw's kernel family in full,
+    and the draw returns the eager values."""
+    draw, sig = WRONG_KERNEL_DRAWS[name]
+    k = rng.key(25)
+    want = draw(k)
+    monkeypatch.setattr(_rng_dispatch, "_FUSED", {"module": None, "tried": True})
+    monkeypatch.setattr(_rng_dispatch, "_VERIFIED", set())
+    monkeypatch.setattr(_rng_dispatch, "kernels", lambda dev: _WrongKernels())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = draw(k)
+    assert [str(w.message) for w in caught] == [_DISABLED.format(sig[0], sig)]
+    assert caught[0].category is RuntimeWarning
+    assert torch.equal(got, want)
+
+
+_RANGE = "must be in [-9223372036854775808, 18446744073709551615], got"
+KEY_MESSAGES: dict[str, tuple[Callable[[], object], type[Exception], str]] = {
+    "key_seed_range": (
+        lambda: rng.key(2**64),
+        ValueError,
+        f"key: seed {_RANGE} 18446744073709551616",
+    ),
+    "key_seed_type": (
+        lambda: rng.key(1.5),  # type: ignore[arg-type]
+        TypeError,
+        "key: seed must be an int, got float 1.5",
+    ),
+    "fold_in_int_key": (
+        lambda: rng.fold_in(3, 1),  # type: ignore[arg-type]
+        TypeError,
+        "fold_in: key must be an int64 tensor (from rng.key/fold_in/split), got int 3; make one "
+        "with rng.key(3)",
+    ),
+    "fold_in_float_key": (
+        lambda: rng.fold_in(torch.zeros(2), 1),
+        TypeError,
+        "fold_in: key must be an int64 tensor (from rng.key/fold_in/split), got "
+        "Tensor(shape=(2,), dtype=torch.float32, device=cpu)",
+    ),
+    # a 0-dim CPU key with int data is folded in Python ints: the same checks
+    "fold_in_host_too_big": (
+        lambda: rng.fold_in(rng.key(0), 2**64),
+        ValueError,
+        f"fold_in: data[0] {_RANGE} 18446744073709551616",
+    ),
+    "fold_in_host_too_small": (
+        lambda: rng.fold_in(rng.key(0), 7, -(2**63) - 1),
+        ValueError,
+        f"fold_in: data[1] {_RANGE} -9223372036854775809",
+    ),
+    "fold_in_host_float": (
+        lambda: rng.fold_in(rng.key(0), 7, 2.0),  # type: ignore[arg-type]
+        TypeError,
+        "fold_in: data[1] must be an int, got float 2.0",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(KEY_MESSAGES))
+def test_every_key_error_names_the_function_and_the_argument_in_full(case: str) -> None:
+    """A bad seed, key or datum of key/fold_in raises one error whose whole message names the
+    function, the argument (data by position) and the value, on the host path too."""
+    call, exc, message = KEY_MESSAGES[case]
+    with pytest.raises(exc) as info:
+        call()
+    assert str(info.value) == message
+
+
+class _Ops(TorchDispatchMode):
+    """Records the name of every tensor op dispatched."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.ops.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+@settings(max_examples=10, deadline=None)
+@given(seed=seeds, d=st.lists(st.integers(-(2**63), 2**63 - 1), min_size=1, max_size=3))
+def test_fold_in_of_a_host_key_and_host_data_computes_in_python_ints(
+    seed: int, d: list[int]
+) -> None:
+    """The step key (a 0-dim CPU key folded with ints or 0-dim CPU int64 tensors) is derived
+    in Python ints: no tensor arithmetic is dispatched, and the words are the reference's; a
+    1-element key or a 1-D datum takes the tensor path."""
+    k = rng.key(seed)
+    want = ref_fold_in(u64(k), *d)
+    for data in (d, [torch.tensor(x) for x in d], [d[0], *(torch.tensor(x) for x in d[1:])]):
+        with _Ops() as mode:
+            got = rng.fold_in(k, *data)
+        assert not any(op.startswith(("bitwise", "mul")) for op in mode.ops), mode.ops
+        assert u64(got) == want and got.shape == () and got.dtype == torch.int64
+    with _Ops() as mode:
+        slow = rng.fold_in(k.reshape(1), *d)
+    assert any(op.startswith("bitwise_xor") for op in mode.ops)
+    assert u64(slow[0]) == want
+
+
+def test_keys_on_another_device_stay_there() -> None:
+    """A key already on a device (meta, standing in for CUDA) is used there: fold_in moves its
+    tensor data to the key's device, split makes its children there without a host-to-device
+    copy, and draws with a device index keep the key on the device."""
+    k = rng.key(26).to("meta")
+    assert rng.fold_in(k.reshape(1), torch.arange(3), 5).device.type == "meta"
+    assert rng.fold_in(k.reshape(1), torch.arange(3)).shape == (3,)
+    with _CrossDeviceCopies() as mode:
+        children = rng.split(k, 3)
+    assert mode.copies == [] and children.device.type == "meta" and children.shape == (3,)
+    idx = torch.arange(4, device="meta")
+    for name, draw in DRAWS.items():
+        out = draw(k, (4, 3), index=idx)
+        assert out.device.type == "meta", name
+        assert out.shape == (4, 3), name
+
+
+def test_a_long_draw_starts_with_the_short_draw() -> None:
+    """Element j of a draw is word j of the key's stream whatever the length: the first and
+    last words of a draw longer than the CPU mixing block (2**17) are the reference's."""
+    k = rng.key(27)
+    n = 2**17 + 3
+    for shape, index in (((n,), None), ((2, n // 2 + 1), torch.tensor([0, 1]))):
+        got = rng.randint(k, 0, 2**63 - 1, shape, index=index).reshape(-1)
+        keys = [u64(k)] if index is None else [ref_fold_in(u64(k), i) for i in (0, 1)]
+        length = shape[-1]
+        for r, kr in enumerate(keys):
+            w = ref_bits(kr, length)
+            row = got[r * length : (r + 1) * length]
+            assert row[:3].tolist() == [(x >> 1) % (2**63 - 1) for x in w[:3]]
+            assert row[-3:].tolist() == [(x >> 1) % (2**63 - 1) for x in w[-3:]]
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    [torch.int8, torch.uint8, torch.int16, torch.int32, torch.float16, torch.float64],
+    ids=lambda d: safe_id(str(d)),
+)
+def test_randint_returns_the_requested_dtype(dtype: torch.dtype) -> None:
+    """randint(dtype=...) returns that dtype, holding the int64 draw's values exactly."""
+    k = rng.key(28)
+    got = rng.randint(k, 3, 120, (4, 5), dtype=dtype)
+    assert got.dtype == dtype
+    assert torch.equal(got.to(torch.int64), rng.randint(k, 3, 120, (4, 5)))
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    [None, torch.bool, torch.float64, torch.int32, torch.bfloat16],
+    ids=lambda d: safe_id(str(d)),
+)
+def test_bernoulli_returns_the_requested_dtype(dtype: torch.dtype | None) -> None:
+    """bernoulli with a float p returns dtype (default torch.get_default_dtype()), with a float
+    tensor p dtype (default p's dtype); the values are the same 0/1 draws in every dtype."""
+    k = rng.key(29)
+    p64 = torch.tensor([0.1, 0.5, 0.9], dtype=torch.float64)
+    mask = rng.bernoulli(k, 0.5, (4, 3), dtype=torch.bool)
+    got = rng.bernoulli(k, 0.5, (4, 3), dtype=dtype)
+    assert got.dtype == (torch.get_default_dtype() if dtype is None else dtype)
+    assert torch.equal(got.bool(), mask)
+    by_column = rng.bernoulli(k, p64, (4, 3), dtype=dtype)
+    assert by_column.dtype == (torch.float64 if dtype is None else dtype)
+    assert torch.equal(by_column.bool(), rng.uniform(k, (4, 3), dtype=torch.float64) < p64)
+
+
+def test_bernoulli_moves_a_cpu_p_tensor_to_the_draw_device() -> None:
+    """A CPU p tensor of several values feeding a draw on another device (meta, standing in for
+    CUDA) is moved there: the mask is on that device."""
+    k = rng.key(30)
+    p = torch.tensor([0.2, 0.8, 0.5])
+    assert rng.bernoulli(k, p, (4, 3), device="meta").device.type == "meta"
+    assert rng.bernoulli(k, p, (4, 3), index=torch.arange(4, device="meta")).shape == (4, 3)
