@@ -1344,3 +1344,34 @@ def test_bernoulli_moves_a_cpu_p_tensor_to_the_draw_device() -> None:
     p = torch.tensor([0.2, 0.8, 0.5])
     assert rng.bernoulli(k, p, (4, 3), device="meta").device.type == "meta"
     assert rng.bernoulli(k, p, (4, 3), index=torch.arange(4, device="meta")).shape == (4, 3)
+
+
+class _NoHostReadOfKeys(TorchDispatchMode):
+    """Fails any host read of an int64 tensor (``int(key)``): a traced key has no value."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func.__name__.startswith("_local_scalar_dense") and args[0].dtype == torch.int64:
+            raise RuntimeError("a traced key has no value to read")
+        return func(*args, **(kwargs or {}))
+
+
+def test_while_tracing_a_cpu_key_is_moved_to_the_device_not_read(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """While torch.compile traces (emulated: is_compiling() is true and reading a key's value
+    fails, as it does for a traced key), a CPU key feeding a draw on another device (meta,
+    standing in for CUDA) reaches it as a tensor: every draw, with or without index, works."""
+    k = rng.key(31)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    draws: list[Callable[..., torch.Tensor]] = [
+        lambda **kw: rng.uniform(k, (4, 3), **kw),
+        lambda **kw: rng.normal(k, (4, 3), **kw),
+        lambda **kw: rng.randint(k, 0, 9, (4, 3), **kw),
+        lambda **kw: rng.bernoulli(k, 0.5, (4, 3), **kw),
+    ]
+    with _NoHostReadOfKeys():
+        for draw in draws:
+            for kw in ({"device": "meta"}, {"index": torch.arange(4, device="meta")}):
+                out = draw(**kw)
+                assert out.device.type == "meta" and out.shape == (4, 3)
+        assert rng.randperm(k, 5, device="meta").shape == (5,)
