@@ -217,3 +217,24 @@ def test_a_deletion_only_mutant_is_recorded_by_the_line_it_deletes(tmp_path: Pat
     assert report.stale_equivalents(verdicts, eq, lambda n, rel: moved) == [
         f"{name}: its diff no longer deletes \"state.pop('x')\""
     ]
+
+
+def test_pending_lists_exactly_the_matching_mutants_that_count_against_the_score(
+    tmp_path: Path,
+) -> None:
+    """``--pending`` names every mutant that is neither caught nor listed, and only those
+    matching a glob: the set ``mutmut run NAME...`` must re-run after tests land."""
+    codes = {f"purestep.rng.x_f__mutmut_{i}": c for i, c in enumerate([1, 0, 0, None, 36, 255])}
+    other = {"purestep.tree.x_g__mutmut_1": 0}
+    verdicts = report.load_verdicts(_mutants(tmp_path, {"rng.py": codes, "tree.py": other}))
+    equivalents = report.load_equivalents(_equivalents(tmp_path, EQ))
+    got = report.pending(verdicts, equivalents, ["purestep.rng.*"])
+    assert got == [f"purestep.rng.x_f__mutmut_{i}" for i in (1, 3, 5)]
+    both = report.pending(verdicts, equivalents, ["purestep.rng.*", "*.x_g__*"])
+    assert both == [
+        *got[:0],
+        "purestep.rng.x_f__mutmut_1",
+        "purestep.rng.x_f__mutmut_3",
+        "purestep.rng.x_f__mutmut_5",
+        "purestep.tree.x_g__mutmut_1",
+    ]

@@ -31,6 +31,7 @@ Usage (from the repository root, after ``mutmut run``)::
     python tools/mutation_report.py --survivors     # every non-equivalent survivor, with its diff
     python tools/mutation_report.py --survivors "purestep.tree.*"   # ... of matching mutants
     python tools/mutation_report.py --check         # exit 1 unless every area meets its target
+    mutmut run $(python tools/mutation_report.py --pending "purestep.optim.*")   # re-run those
 """
 
 from __future__ import annotations
@@ -212,6 +213,19 @@ def area_of(rel: str) -> str | None:
     return None
 
 
+def _listed(eq: Equivalent | None, status: str) -> str | None:
+    """The column a listed mutant counts in ("equivalent", "unreachable"), or None.
+
+    A listing counts only for the verdict it claims: an equivalent mutant must have
+    survived, an unreachable one survived or been reached by no test.
+    """
+    if eq is not None and eq.kind == "equivalent" and status == "survived":
+        return "equivalent"
+    if eq is not None and eq.kind == "unreachable" and status in ("survived", "no tests"):
+        return "unreachable"
+    return None
+
+
 def tally(
     verdicts: dict[str, tuple[str, str]], equivalents: dict[str, Equivalent]
 ) -> tuple[dict[str, Tally], dict[str, Tally]]:
@@ -226,13 +240,13 @@ def tally(
     files: dict[str, Tally] = {}
     for name, (rel, status) in verdicts.items():
         t = files.setdefault(rel, Tally())
-        eq = equivalents.get(name)
-        if eq is not None and eq.kind == "equivalent" and status == "survived":
+        kind = _listed(equivalents.get(name), status)
+        if kind == "equivalent":
             t.equivalent += 1
-            status = "equivalent"
-        elif eq is not None and eq.kind == "unreachable" and status in ("survived", "no tests"):
+            status = kind
+        elif kind == "unreachable":
             t.unreachable += 1
-            status = "unreachable"
+            status = kind
         t.counts[status] += 1
     areas: dict[str, Tally] = {area: Tally() for area in AREAS}
     for rel, t in files.items():
@@ -359,6 +373,33 @@ def failures(areas: dict[str, Tally], stale: Sequence[str]) -> list[str]:
     return out + [f"stale equivalence entry {s}" for s in stale]
 
 
+def pending(
+    verdicts: dict[str, tuple[str, str]],
+    equivalents: dict[str, Equivalent],
+    globs: Sequence[str],
+) -> list[str]:
+    """Names of the mutants matching any glob that count against the score, to re-run.
+
+    Those are the ones neither caught nor counted as listed (an equivalent survivor, an
+    unreachable survivor or untested mutant): survivors, untested, not run yet (listed or
+    not: a listed mutant must run to confirm it survives), suspicious or errored. After new tests land, ``mutmut run``
+    with these names re-runs exactly them (a glob would re-run every matching mutant).
+
+    Example:
+        >>> v = {"p.x_f__mutmut_1": ("rng.py", "killed"), "p.x_f__mutmut_2": ("rng.py", "not run")}
+        >>> pending(v, {}, ["p.*"])
+        ['p.x_f__mutmut_2']
+    """
+    return [
+        name
+        for name, (rel, status) in sorted(verdicts.items())
+        if status not in _CAUGHT
+        and not _listed(equivalents.get(name), status)
+        and area_of(rel) is not None
+        and any(fnmatch.fnmatch(name, g) for g in globs)
+    ]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--mutants", type=Path, default=Path("mutants"))
@@ -366,6 +407,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--markdown", action="store_true")
     parser.add_argument("--survivors", nargs="?", const="*", metavar="GLOB")
     parser.add_argument("--check", action="store_true")
+    parser.add_argument("--pending", nargs="+", metavar="GLOB")
     args = parser.parse_args(argv)
 
     verdicts = load_verdicts(args.mutants)
@@ -374,6 +416,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     equivalents = load_equivalents(args.equivalents)
     areas, files = tally(verdicts, equivalents)
+    if args.pending is not None:
+        print("\n".join(pending(verdicts, equivalents, args.pending)))
+        return 0
     diff_of = DiffFn()
     if args.survivors is not None:
         for name, (rel, status) in sorted(verdicts.items()):
