@@ -734,3 +734,493 @@ def test_plot_draws_one_panel_per_family(tmp_path: Path) -> None:
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     fams = plot.families(["loss", "m/lr", "m/grad_norm", "pred_mean", "eval/loss"])
     assert list(fams) == ["loss", "lr", "grad_norm", "pred_mean", "eval/loss"]
+
+
+# -- file sinks used directly (without run's start), CSV round-trips ---------------------------
+
+
+def _csv_rows(path: Path) -> tuple[list[str], list[dict[str, str]]]:
+    import csv
+
+    with open(path, newline="") as fh:
+        reader = csv.DictReader(fh)
+        rows = list(reader)
+        return list(reader.fieldnames or []), rows
+
+
+_FOREIGN_CELL = st.text(st.sampled_from('ab ,"\n'), min_size=0, max_size=6)
+
+
+@settings(max_examples=15, deadline=None)
+@given(notes=st.lists(_FOREIGN_CELL, min_size=1, max_size=3))
+def test_csv_column_growth_keeps_foreign_cells_with_commas_quotes_and_newlines(
+    tmp_path_factory: pytest.TempPathFactory, notes: list[str]
+) -> None:
+    """A new metric name rewrites the file with a wider header; cells already in the file (here a
+    hand-added "note" column holding commas, quotes, newlines) read back unchanged with the csv
+    module, cells that need no quoting are written bare, and old rows get an empty new cell."""
+    import csv
+
+    path = tmp_path_factory.mktemp("csv") / "metrics.csv"
+    with open(path, "w", newline="") as fh:
+        w = csv.writer(fh, lineterminator="\n")
+        w.writerow(["step", "loss", "note"])
+        for i, note in enumerate(notes, 1):
+            w.writerow([i, 0.5, note])
+    sink = loop.CSVSink(path)
+    n = len(notes) + 1
+    sink(n, {"loss": 0.25, "acc": 1.5})
+    sink.close()
+    header, rows = _csv_rows(path)
+    assert header == ["step", "loss", "note", "acc"]
+    assert [r["note"] for r in rows] == [*notes, ""]
+    assert [r["acc"] for r in rows] == [""] * len(notes) + ["1.5"]
+    assert [r["step"] for r in rows] == [str(i) for i in range(1, n + 1)]
+    lines = path.read_text().split("\n")
+    bare = [note for note in notes if not any(c in note for c in ',"\n')]
+    for note in bare:  # written as is, not quoted
+        assert any(ln.endswith(f",{note},") for ln in lines), (note, lines)
+
+
+def test_csv_sink_used_without_start_writes_a_header_and_empty_missing_cells(
+    tmp_path: Path,
+) -> None:
+    """Called directly (no start), CSVSink creates missing parent folders, writes the "step"
+    header even for a record with no metrics, leaves metrics absent from a record empty, and
+    reopens the file after close()."""
+    path = tmp_path / "a" / "b" / "metrics.csv"
+    sink = loop.CSVSink(path)
+    sink(1, {})
+    sink(2, {"loss": 0.5})
+    sink.close()
+    sink(3, {"acc": 2.0})
+    sink(4, {"loss": 0.25})
+    sink.close()
+    assert path.read_text().splitlines() == [
+        "step,loss,acc",
+        "1,,",
+        "2,0.5,",
+        "3,,2.0",
+        "4,0.25,",
+    ]
+
+
+def test_a_new_csv_sink_appends_to_an_existing_file_with_its_columns(tmp_path: Path) -> None:
+    """A second CSVSink on an existing file (no start) keeps its columns and rows and appends."""
+    path = tmp_path / "metrics.csv"
+    first = loop.CSVSink(path)
+    first(1, {"loss": 1.0, "acc": 0.5})
+    first.close()
+    second = loop.CSVSink(path)
+    second(2, {"acc": 0.75})
+    second.close()
+    assert path.read_text().splitlines() == ["step,loss,acc", "1,1.0,0.5", "2,,0.75"]
+
+
+def test_csv_start_on_an_empty_file_or_one_without_a_step_column_keeps_no_rows(
+    tmp_path: Path,
+) -> None:
+    """An empty metrics.csv gets a "step" header; a file without a "step" column holds no rows."""
+    empty = tmp_path / "empty.csv"
+    empty.write_text("")
+    sink = loop.CSVSink(empty)
+    sink.start(0)
+    sink(1, {"loss": 2.0})
+    sink.close()
+    assert empty.read_text().splitlines() == ["step,loss", "1,2.0"]
+    other = tmp_path / "other.csv"
+    other.write_text("epoch,loss\n1,2.0\n")
+    sink = loop.CSVSink(other)
+    sink.start(5)
+    sink.close()
+    assert other.read_text().splitlines() == ["epoch,loss"]
+
+
+def test_jsonl_sink_used_directly_creates_folders_reopens_and_stores_non_finite_as_strings(
+    tmp_path: Path,
+) -> None:
+    """JSONLSink creates missing parent folders, reopens after close(), writes finite values as
+    JSON numbers and non-finite ones as the strings "nan"/"inf"/"-inf" (valid JSON), which
+    read_metrics returns as floats."""
+    path = tmp_path / "a" / "b" / "metrics.jsonl"
+    sink = loop.JSONLSink(path)
+    sink(1, {"loss": 0.5, "n": float("nan")})
+    sink.close()
+    sink(2, {"loss": float("inf"), "m": float("-inf")})
+    sink.close()
+    raw = [json.loads(ln, parse_constant=lambda c: pytest.fail(c)) for ln in path.open()]
+    assert raw == [
+        {"step": 1, "loss": 0.5, "n": "nan"},
+        {"step": 2, "loss": "inf", "m": "-inf"},
+    ]
+    back = loop.read_metrics(path)
+    assert back[0]["loss"] == 0.5 and back[0]["n"] != back[0]["n"]
+    assert back[1] == {"step": 2, "loss": float("inf"), "m": float("-inf")}
+    assert all(type(r["step"]) is int for r in back)
+
+
+def test_read_metrics_skips_records_without_an_int_step_and_keeps_other_values_as_is(
+    tmp_path: Path,
+) -> None:
+    """Lines that are not objects, or lack an int "step", are skipped; only string values become
+    floats (an int value stays an int, as written)."""
+    path = tmp_path / "m.jsonl"
+    path.write_text(
+        "\n".join(
+            [
+                "[1, 2]",
+                '{"loss": 1.0}',
+                '{"step": "3", "loss": 1.0}',
+                '{"step": 4, "count": 3, "x": "nan"}',
+                "",
+            ]
+        )
+    )
+    (rec,) = loop.read_metrics(path)
+    assert rec["step"] == 4 and type(rec["count"]) is int and rec["count"] == 3
+    assert type(rec["step"]) is int and isinstance(rec["x"], float)
+
+
+def test_jsonl_start_keeps_a_last_record_without_a_newline_on_its_own_line(tmp_path: Path) -> None:
+    """start() keeps a complete last record that lacks its newline, ending it with one, so the
+    next record starts on its own line."""
+    path = tmp_path / "m.jsonl"
+    path.write_text('{"step": 1, "loss": 1.0}\n{"step": 2, "loss": 0.5}')
+    sink = loop.JSONLSink(path)
+    sink.start(2)
+    sink(3, {"loss": 0.25})
+    sink.close()
+    assert path.read_text() == (
+        '{"step": 1, "loss": 1.0}\n{"step": 2, "loss": 0.5}\n{"step": 3, "loss": 0.25}\n'
+    )
+
+
+# -- sink specs, images, tensorboard ----------------------------------------------------------
+
+
+def test_a_single_sink_name_or_callable_is_accepted_without_a_tuple(tmp_path: Path) -> None:
+    """sinks="jsonl" and sinks=callable mean the one-element tuples."""
+    rec = _Record()
+    _run(_Toy(), _toy_state(), _toy_data(2), num_steps=2, sinks=rec)
+    assert [s for s, _ in rec.calls] == [1, 2]
+    _run(_Toy(), _toy_state(), _toy_data(2), num_steps=2, checkpoint_dir=tmp_path, sinks="jsonl")
+    assert [r["step"] for r in loop.read_metrics(tmp_path / "metrics.jsonl")] == [1, 2]
+
+
+@pytest.mark.parametrize(
+    ("sinks", "error", "match"),
+    [
+        (("nope",), ValueError, r"unknown sink 'nope'; expected one of \['csv', 'jsonl', "),
+        (("nope",), ValueError, r"or a callable \(step, metrics\) -> None$"),
+        (
+            (3,),
+            TypeError,
+            r"^sink 3 is a int; expected a name \['csv', 'jsonl', 'tensorboard'\] or a callable "
+            r"\(step, metrics\) -> None$",
+        ),
+    ],
+)
+def test_a_bad_sink_is_named_with_the_accepted_kinds(sinks: Any, error: type, match: str) -> None:
+    """An unknown name or a non-callable sink fails before any step, listing the names and the
+    callable signature."""
+    with pytest.raises(error, match=match):
+        loop.run(_Toy(), _toy_state(), _toy_data(1), num_steps=1, progress=False, sinks=sinks)
+
+
+def test_image_keeps_uint8_images_and_tiles_everything_else_with_its_options() -> None:
+    """uint8 [H, W] and [H, W, 3] are kept as they are; a uint8 [N, H, W] batch (even with W 3 or
+    with H 3) and float batches are tiled by image_grid with the given ncol and value_range."""
+    g = torch.Generator().manual_seed(0)
+    gray = torch.randint(0, 256, (4, 5), dtype=torch.uint8, generator=g)
+    rgb = torch.randint(0, 256, (4, 5, 3), dtype=torch.uint8, generator=g)
+    assert torch.equal(loop.Image(gray).pixels, gray)
+    assert torch.equal(loop.Image(rgb).pixels, rgb)
+    for batch in (
+        torch.randint(0, 256, (3, 4, 5), dtype=torch.uint8, generator=g),
+        torch.randint(0, 256, (3, 4, 4), dtype=torch.uint8, generator=g),
+        torch.randint(0, 256, (2, 3, 5, 3), dtype=torch.uint8, generator=g),
+    ):
+        assert torch.equal(loop.Image(batch).pixels, plot.image_grid(batch)), batch.shape
+    x = torch.rand(5, 3, 2, 2, generator=g)
+    got = loop.Image(x, ncol=1, value_range=(0.0, 1.0)).pixels
+    assert torch.equal(got, plot.image_grid(x, ncol=1, value_range=(0.0, 1.0)))
+    assert got.shape[:2] == (5 * 3 + 1, 2 + 2)
+    with pytest.raises(TypeError, match="Image: expected a tensor, got list"):
+        loop.Image([[0, 1]])  # type: ignore[arg-type]
+
+
+def _tb_scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(log_dir))
+    acc.Reload()
+    return {t: [(e.step, e.value) for e in acc.Scalars(t)] for t in acc.Tags()["scalars"]}
+
+
+def test_tensorboard_sink_used_directly_writes_into_its_dir_and_reopens_after_close(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without start, scalars and images go to log_dir; after close() the next record reopens."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    monkeypatch.chdir(tmp_path)
+    log_dir = tmp_path / "tb"
+    sink = loop.TensorBoardSink(log_dir)
+    sink.image(1, "rgb", torch.zeros(2, 3, 3, dtype=torch.uint8))
+    sink.close()
+    sink(2, {"loss": 0.5})
+    sink.close()
+    sink.image(3, "gray", torch.zeros(4, 5, dtype=torch.uint8))
+    sink(3, {"loss": 0.25})
+    sink.close()
+    assert _tb_scalars(log_dir) == {"loss": [(2, 0.5), (3, 0.25)]}
+    acc = EventAccumulator(str(log_dir))
+    acc.Reload()
+    assert [(e.step, e.width, e.height) for e in acc.Images("rgb")] == [(1, 3, 2)]
+    assert [(e.step, e.width, e.height) for e in acc.Images("gray")] == [(3, 5, 4)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tb"]  # nothing written elsewhere
+
+
+def test_tensorboard_start_purges_the_steps_after_the_resumed_one(tmp_path: Path) -> None:
+    """start(2) after steps 1..4 were logged hides steps 3 and 4 of the first run: the log holds
+    steps 1, 2 from it and 3, 4 from the second."""
+    pytest.importorskip("tensorboard")
+    first = loop.TensorBoardSink(tmp_path)
+    first.start(0)
+    for s in range(1, 5):
+        first(s, {"loss": float(s)})
+    first.close()
+    second = loop.TensorBoardSink(tmp_path)
+    second.start(2)
+    for s in (3, 4):
+        second(s, {"loss": 10.0 * s})
+    second.close()
+    assert _tb_scalars(tmp_path) == {"loss": [(1, 1.0), (2, 2.0), (3, 30.0), (4, 40.0)]}
+
+
+def test_tensorboard_sink_without_tensorboard_says_how_to_install_it(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Without the tensorboard package the sink raises ImportError naming pip install tensorboard."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
+    with pytest.raises(
+        ImportError,
+        match=r"^the 'tensorboard' sink needs the tensorboard package: pip install tensorboard$",
+    ):
+        loop.TensorBoardSink(tmp_path)
+
+
+# -- metric buffer: means in float64, exact pending/restore -----------------------------------
+
+
+_METRIC_VALUE = st.one_of(
+    st.floats(-1e6, 1e6, width=32).map(lambda v: torch.tensor(v, dtype=torch.float32)),
+    st.floats(-1e3, 1e3, width=16).map(lambda v: torch.tensor(v, dtype=torch.float16)),
+    st.integers(-(2**40), 2**40).map(lambda v: torch.tensor(v, dtype=torch.int64)),
+    st.floats(-1e6, 1e6),
+)
+
+
+@settings(max_examples=30, deadline=None)
+@given(values=st.lists(_METRIC_VALUE, min_size=1, max_size=5), split=st.integers(0, 5))
+def test_metric_means_are_exact_float64_and_survive_pending_and_restore(
+    values: list[Any], split: int
+) -> None:
+    """pop() is the float64 mean of the values a metric reported (any mix of float16/float32/int
+    tensors and Python floats); carrying the first values across a restart with pending() and
+    restore() (before new values arrive) gives the same mean."""
+    from fractions import Fraction
+
+    from purestep.loop._metrics import MetricBuffer
+
+    exact = [Fraction(float(v)) for v in values]
+    want = float(torch.tensor([float(x) for x in exact], dtype=torch.float64).mean())
+    buf = MetricBuffer()
+    assert not buf
+    for v in values:
+        buf.add({"m": v})
+    assert buf
+    assert buf.pop() == {"m": want}
+    assert not buf
+    first, rest = values[:split], values[split:]
+    before = MetricBuffer()
+    for v in first:
+        before.add({"m": v})
+    after = MetricBuffer()
+    for v in rest:
+        after.add({"m": v})
+    after.restore(before.pending())
+    assert after.pop() == ({"m": want} if first or rest else {})
+
+
+def test_flat_metrics_averages_tensors_in_float64_and_keeps_scalars_as_they_are() -> None:
+    """Non-scalar tensors become their float64 mean (float32 on a device without float64, here
+    meta); one-element tensors keep their dtype; Python numbers become float64 tensors."""
+    from purestep.loop._metrics import flat_metrics
+
+    x = torch.tensor([1.0, 2.0**-24, 0.0], dtype=torch.float32)
+    m = flat_metrics({"v": x, "one": torch.tensor([0.5], dtype=torch.float16), "py": 0.1})
+    assert m["v"].dtype == torch.float64 and float(m["v"]) == (1.0 + 2.0**-24) / 3
+    assert m["v"].shape == () and m["one"].shape == () and m["one"].dtype == torch.float16
+    assert m["py"].dtype == torch.float64 and float(m["py"]) == 0.1
+    two = flat_metrics({"t": torch.tensor([1.0, 3.0])})["t"]
+    assert two.dtype == torch.float64 and float(two) == 2.0
+    meta = flat_metrics({"x": torch.zeros(3, device="meta", dtype=torch.float16)})["x"]
+    assert meta.dtype == torch.float32 and meta.device.type == "meta"
+    with pytest.raises(TypeError, match=r"^metric 'a/b' is a str; metrics must be numbers"):
+        flat_metrics({"a": {"b": "x"}})
+
+
+def test_metric_buffer_clear_restore_order_and_bad_pending() -> None:
+    """clear() drops the values and the buffer keeps working; restore() puts the saved values
+    before those already added; malformed pending metrics raise ValueError naming the entry."""
+    from purestep.loop._metrics import MetricBuffer
+
+    buf = MetricBuffer()
+    buf.add({"a": 1.0})
+    buf.clear()
+    assert not buf and buf.pop() == {}
+    buf.add({"a": 4.0})
+    buf.restore({"a": [(1.0).hex(), (0.1).hex()]})
+    assert buf.pending() == {"a": [(1.0).hex(), (0.1).hex(), (4.0).hex()]}
+    assert buf.pop() == {"a": (1.0 + 0.1 + 4.0) / 3}
+    with pytest.raises(ValueError, match=r"^pending metrics: bad entry 1: \['0x1p0'\]$"):
+        MetricBuffer().restore({1: ["0x1p0"]})  # type: ignore[dict-item]
+    with pytest.raises(ValueError, match=r"^pending metrics: bad entry 'a': '0x1p0'$"):
+        MetricBuffer().restore({"a": "0x1p0"})
+    with pytest.raises(ValueError, match=r"^pending metrics: bad values of 'a': \['zz'\]$"):
+        MetricBuffer().restore({"a": ["zz"]})
+
+
+# -- data: stateful loaders, samplers, messages ------------------------------------------------
+
+
+class _StatefulData:
+    """Three batches a pass, ``seed * 10 + i``; the position inside a pass is in state_dict()."""
+
+    def __init__(self, seed: int) -> None:
+        self.seed, self.next_i = seed, 0
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        while self.next_i < 3:
+            self.next_i += 1
+            yield {"v": torch.tensor([float(self.seed * 10 + self.next_i - 1)])}
+        self.next_i = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"seed": self.seed, "next_i": self.next_i}
+
+    def load_state_dict(self, sd: dict[str, int]) -> None:
+        self.seed, self.next_i = sd["seed"], sd["next_i"]
+
+
+def test_a_stateful_loader_is_restored_from_its_state_dict(tmp_path: Path) -> None:
+    """Data with state_dict()/load_state_dict() resumes from its saved state, not by skipping:
+    rebuilt with another seed, the resumed run still sees the interrupted run's batches."""
+    rec = _Record()
+    kw: dict[str, Any] = {"checkpoint_dir": tmp_path, "save_every": 2, "sinks": [rec]}
+    _run(_Toy(), _toy_state(), _StatefulData(1), num_steps=4, **kw)
+    _run(_Toy(), _toy_state(), _StatefulData(7), num_steps=8, resume="latest", **kw)
+    assert [m["batch"] for _, m in rec.calls] == [10, 11, 12, 10, 11, 12, 10, 11]
+
+
+def test_data_with_state_dict_but_no_load_state_dict_is_resumed_by_skipping(
+    tmp_path: Path,
+) -> None:
+    """Only data with both state_dict() and load_state_dict() is stateful; data with just one
+    of them resumes by skipping batches of a fresh pass."""
+
+    class HalfStateful:
+        def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+            return iter(_toy_data(3))
+
+        def state_dict(self) -> dict[str, int]:
+            raise AssertionError("not stateful: state_dict must not be called")
+
+    rec = _Record()
+    kw: dict[str, Any] = {"checkpoint_dir": tmp_path, "save_every": 2, "sinks": [rec]}
+    _run(_Toy(), _toy_state(), HalfStateful(), num_steps=4, **kw)
+    _run(_Toy(), _toy_state(), HalfStateful(), num_steps=6, resume="latest", **kw)
+    assert [m["batch"] for _, m in rec.calls] == [0, 1, 2, 0, 1, 2]
+
+
+def test_a_loader_state_that_cannot_be_saved_fails_before_any_step_naming_the_loader() -> None:
+    """A state_dict() holding something other than plain containers fails early, naming the type."""
+
+    class OddState(_StatefulData):
+        def state_dict(self) -> Any:
+            return {"fn": _Toy()}
+
+    with pytest.raises(
+        TypeError, match=r"^data\.state_dict\(\) of OddState cannot be checkpointed"
+    ):
+        _run(_Toy(), _toy_state(), OddState(1), num_steps=2, sinks=())
+
+
+def test_set_epoch_of_the_sampler_is_called_when_data_has_none() -> None:
+    """data.sampler.set_epoch(n) is called before pass n when data has no set_epoch of its own."""
+
+    class Sampler:
+        def __init__(self) -> None:
+            self.epochs: list[int] = []
+
+        def set_epoch(self, n: int) -> None:
+            self.epochs.append(n)
+
+    class Data:
+        sampler = Sampler()
+
+        def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+            return iter(_toy_data(2))
+
+    _run(_Toy(), _toy_state(), Data(), num_steps=5, sinks=())
+    assert Data.sampler.epochs == [0, 1, 2]
+
+
+def test_data_messages_name_the_type_the_pass_and_the_batch_counts(tmp_path: Path) -> None:
+    """Non-iterable data, a one-shot iterator that runs out, and data shorter than the saved
+    position fail with the type, pass and counts named."""
+    with pytest.raises(TypeError, match=r"^data is a int; expected an iterable of batches$"):
+        _run(_Toy(), _toy_state(), 5, num_steps=2, sinks=())
+    with pytest.raises(
+        ValueError,
+        match=r"^data \(list_iterator\) yielded no batches in pass 1 after 3 batches in earlier "
+        r"passes; the loop re-iterates data when it is exhausted, so pass a re-iterable "
+        r"\(a list, a DataLoader\), not a one-shot iterator or generator$",
+    ):
+        _run(_Toy(), _toy_state(), iter(_toy_data(3)), num_steps=5, sinks=())
+    with pytest.raises(ValueError, match=r"^data \(list\) yielded no batches$"):
+        _run(_Toy(), _toy_state(), [], num_steps=5, sinks=())
+    kw: dict[str, Any] = {"checkpoint_dir": tmp_path, "save_every": 2, "sinks": ()}
+    _run(_Toy(), _toy_state(), _toy_data(3), num_steps=2, **kw)
+    with pytest.raises(
+        ValueError,
+        match=r"^cannot restore the data position: pass 0 of data \(list\) has 1 batches, but "
+        r"the checkpoint was saved after 2 batches of it; did the data change\?$",
+    ):
+        _run(_Toy(), _toy_state(), _toy_data(1), num_steps=4, resume="latest", **kw)
+
+
+@settings(max_examples=15, deadline=None)
+@given(names=st.lists(st.text(st.sampled_from('ab ,"/'), min_size=1, max_size=5), max_size=3))
+def test_csv_metric_names_with_commas_or_quotes_read_back_as_their_columns(
+    tmp_path_factory: pytest.TempPathFactory, names: list[str]
+) -> None:
+    """Metric names holding commas or quotes are quoted in the header: the csv module reads each
+    value back under its own name, also after a second sink reopens the file."""
+    path = tmp_path_factory.mktemp("csv") / "metrics.csv"
+    names = list(dict.fromkeys(n for n in names if n != "step"))
+    values = {n: float(i) for i, n in enumerate(names)}
+    sink = loop.CSVSink(path)
+    sink(1, values)
+    sink.close()
+    again = loop.CSVSink(path)
+    again(2, {**values, "extra": 0.5})
+    again.close()
+    header, rows = _csv_rows(path)
+    assert header == ["step", *names, "extra"]
+    assert rows[0] == {"step": "1", **{n: repr(v) for n, v in values.items()}, "extra": ""}
+    assert rows[1] == {"step": "2", **{n: repr(v) for n, v in values.items()}, "extra": "0.5"}
