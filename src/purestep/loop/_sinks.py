@@ -164,7 +164,7 @@ class CSVSink:
     def _rewrite(self, columns: list[str], rows: list[dict[str, str]]) -> None:
         self.close()
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        lines = [",".join(columns)]
+        lines = [",".join(_csv_cell(c) for c in columns)]
         for r in rows:
             lines.append(",".join(_csv_cell(r.get(c) or "") for c in columns))
         write_text(self.path, "\n".join(lines) + "\n")
