@@ -201,7 +201,7 @@ class CSVSink:
 
 
 def _csv_cell(value: str) -> str:
-    if any(ch in value for ch in ',"\n'):
+    if any(ch in value for ch in ',"\n\r'):
         return '"' + value.replace('"', '""') + '"'
     return value
 
