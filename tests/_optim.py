@@ -162,3 +162,54 @@ def one_rank_mesh() -> Iterator[Any]:
             yield init_device_mesh("cpu", (1,))
         finally:
             dist.destroy_process_group()
+
+
+def run_torch_masked(
+    make: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer],
+    init: list[torch.Tensor],
+    grads: list[list[torch.Tensor | None]],
+) -> tuple[list[torch.Tensor], list[dict[str, Any]]]:
+    """torch.optim over ``grads`` where ``None`` leaves that param's ``.grad`` None (skipped)."""
+    ps = [torch.nn.Parameter(t.clone()) for t in init]
+    opt = make(ps)
+    for gs in grads:
+        for p, g in zip(ps, gs, strict=True):
+            p.grad = None if g is None else g.clone()
+        opt.step()
+    return [p.detach() for p in ps], [opt.state.get(p, {}) for p in ps]
+
+
+def run_ours_masked(
+    opt: optim.Transform,
+    init: list[torch.Tensor],
+    grads: list[list[torch.Tensor | None]],
+    donate: bool,
+) -> tuple[TensorDict, TensorDict]:
+    """``opt.step`` over ``grads``, a ``None`` grad's param left out of the grads tree."""
+    params = as_tree([t.clone() for t in init])
+    state = opt.init(params)
+    names = tree.paths(params)
+    for gs in grads:
+        sub = [(path, g.clone()) for path, g in zip(names, gs, strict=True) if g is not None]
+        params, state = opt.step(tree.unflatten(sub), state, params, donate=donate)
+    return params, state
+
+
+def masked_grads(
+    data: st.DataObject, shapes: list[tuple[int, ...]], dtype: torch.dtype, steps: int
+) -> tuple[list[torch.Tensor], list[list[torch.Tensor | None]]]:
+    """Initial params and ``steps`` lists of grads, some params without a gradient in a step."""
+    seed = data.draw(st.integers(0, 2**16), label="seed")
+    init, full = make_data(shapes, seed, dtype, steps=steps)
+    masks = data.draw(
+        st.lists(
+            st.lists(st.booleans(), min_size=len(shapes), max_size=len(shapes)),
+            min_size=steps,
+            max_size=steps,
+        ),
+        label="masks",
+    )
+    return init, [
+        [g if m else None for g, m in zip(gs, ms, strict=True)]
+        for gs, ms in zip(full, masks, strict=True)
+    ]

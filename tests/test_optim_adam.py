@@ -4,6 +4,7 @@ mixed-dtype grouping, half precision against float64 maths, stride-0 grads of fu
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -11,10 +12,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tensordict import TensorDict
 
-from _optim import as_tree, run_ours, run_torch
+from _optim import (
+    EXACT,
+    as_tree,
+    masked_grads,
+    run_ours,
+    run_ours_masked,
+    run_torch,
+    run_torch_masked,
+)
 from _optim_rows import adam_state
 from purestep import optim, tree
-from purestep.optim import schedules
+from purestep.optim import _adam, _steps, schedules
 
 
 def test_state_layout_and_dtypes() -> None:
@@ -177,3 +186,190 @@ def test_a_step_count_replaced_by_hand_is_still_counted(how: str) -> None:
     assert after == [b + 1 for b in before]
     if how == "duplicated":  # the shared tensor was not written through twice
         assert float(steps[0]) == 0.0
+
+
+def _steps_in(layout: str, values: list[float]) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+    """0-dim step counts holding ``values``, laid out as ``layout``; and the buffer they view."""
+    n = len(values)
+    v = torch.tensor(values)
+    if layout == "packed":  # init's layout: each element of one new 1-D buffer once
+        steps = _steps.pack_steps([x.clone() for x in v.unbind()])
+        return steps, steps[0]._base
+    if layout == "separate":  # as after a checkpoint load
+        return [x.clone() for x in v.unbind()], None
+    if layout == "subset":  # the first n elements of a longer buffer
+        buf = torch.cat([v, torch.tensor([-7.0])])
+    elif layout == "column":  # the elements of an (n, 1) buffer
+        buf = torch.zeros(n, 1)
+        buf.copy_(v.reshape(n, 1))
+    elif layout == "strided":  # a 1-D buffer with a gap after each element
+        buf = torch.empty_strided((n,), (2,))
+        buf.copy_(v)
+    elif layout == "offset":  # a 1-D buffer starting one element into its storage
+        storage = torch.cat([torch.tensor([-7.0]), v]).untyped_storage()
+        buf = torch.tensor([]).set_(storage, 1, (n,), (1,))
+    elif layout == "duplicated":  # the first element listed twice, the last one missing
+        buf = v.clone()
+        return [buf[0], *[buf[i] for i in range(n - 1)]][:n], buf
+    elif layout == "one-mixed-in":  # all but the last from one buffer
+        buf = v.clone()
+        return [*[buf[i] for i in range(n - 1)], v[-1].clone()], buf
+    else:
+        raise AssertionError(layout)
+    return [buf.flatten()[i] if layout != "strided" else buf[i] for i in range(n)], buf
+
+
+def _is_own_buffer(steps: list[torch.Tensor]) -> bool:
+    """Whether ``steps`` are, in order, the elements of one contiguous 1-D buffer of their own."""
+    base = steps[0]._base
+    return (
+        base is not None
+        and base.dim() == 1
+        and base.shape[0] == len(steps)
+        and base.stride() == (1,)
+        and base.storage_offset() == 0
+        and all(s._base is base and s.dim() == 0 for s in steps)
+        and [s.storage_offset() for s in steps] == list(range(len(steps)))
+    )
+
+
+LAYOUTS = [
+    "packed",
+    "separate",
+    "subset",
+    "column",
+    "strided",
+    "offset",
+    "duplicated",
+    "one-mixed-in",
+]
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    layout=st.sampled_from(LAYOUTS),
+    donate=st.booleans(),
+    values=st.lists(st.integers(0, 1000).map(float), min_size=2, max_size=5),
+)
+def test_bump_steps_adds_one_to_every_count_and_writes_only_a_buffer_it_owns(
+    layout: str, donate: bool, values: list[float]
+) -> None:
+    """``bump_steps`` gives every count plus one, whatever the counts' layout. Only donated
+    counts that are exactly the elements of one contiguous 1-D buffer are advanced in place
+    (the same list back, the buffer advanced by one); any other layout, and every pure call,
+    leaves the counts' memory untouched (other elements of a shared storage included) and
+    returns counts packed into a buffer of their own, so the next donated step is in place."""
+    steps, buf = _steps_in(layout, values)
+    before = [float(s) for s in steps]
+    storage = steps[0].untyped_storage()
+    snapshot = bytes(storage)
+    out = _steps.bump_steps(steps, donate=donate)
+    assert [float(s) for s in out] == [b + 1 for b in before]
+    assert _is_own_buffer(out)
+    if donate and layout == "packed":
+        assert out is steps and buf is not None and out[0]._base is buf
+        assert buf.tolist() == [b + 1 for b in before]
+    else:
+        assert out is not steps and out[0].untyped_storage().data_ptr() != storage.data_ptr()
+        assert bytes(storage) == snapshot, "counts it does not own were written"
+        assert [float(s) for s in steps] == before
+
+
+@pytest.mark.parametrize("donate", [True, False])
+@pytest.mark.parametrize("mix", ["dtypes", "a-1-d-count", "a-parameter"])
+def test_bump_steps_of_counts_that_cannot_share_a_buffer_adds_one_to_each(
+    donate: bool, mix: str
+) -> None:
+    """Counts of several dtypes, a 1-D count or a tensor subclass cannot be stacked: each is
+    advanced by one on its own, in place when donated (the same list and tensors back), into
+    new tensors otherwise (the inputs untouched); ``pack_steps`` returns such lists as they are."""
+    steps = [torch.tensor(3.0), torch.tensor(5.0)]
+    if mix == "dtypes":
+        steps.append(torch.tensor(2.0, dtype=torch.float64))
+    elif mix == "a-1-d-count":
+        steps.append(torch.tensor([2.0]))
+    else:
+        steps.insert(0, torch.nn.Parameter(torch.tensor(2.0), requires_grad=False))
+    assert _steps.pack_steps(steps) is steps
+    before = [float(s) for s in steps]
+    out = _steps.bump_steps(steps, donate=donate)
+    assert [float(s) for s in out] == [b + 1 for b in before]
+    assert [s.dtype for s in out] == [s.dtype for s in steps]
+    if donate:
+        assert out is steps
+    else:
+        assert [float(s) for s in steps] == before
+        assert all(a is not b for a, b in zip(out, steps, strict=True))
+
+
+@pytest.mark.parametrize("n", [1, 2, 5])
+def test_pack_steps_makes_views_of_one_new_buffer_with_the_same_values(n: int) -> None:
+    """Plain 0-dim counts of one dtype and device (one alone too) become, in order, the elements
+    of one new buffer with their values; the inputs are not changed; an empty list stays empty."""
+    counts = [torch.tensor(float(3 * i + 1)) for i in range(n)]
+    packed = _steps.pack_steps(counts)
+    assert [float(s) for s in packed] == [float(3 * i + 1) for i in range(n)]
+    assert _is_own_buffer(packed) and all(c._base is None for c in counts)
+    assert _steps.pack_steps([]) == []
+
+
+def test_steps_by_value_groups_indices_in_order_of_first_appearance() -> None:
+    """Indices of equal counts are grouped under that count, each group in index order."""
+    steps = [torch.tensor(v) for v in (2.0, 1.0, 2.0, 7.0, 1.0)]
+    assert _steps.steps_by_value(steps) == {2.0: [0, 2], 1.0: [1, 4], 7.0: [3]}
+    assert list(_steps.steps_by_value(steps)) == [2.0, 1.0, 7.0]
+    assert _steps.steps_by_value([]) == {}
+
+
+@st.composite
+def adam_boundary_hparams(draw: st.DrawFn) -> dict[str, Any]:
+    """Adam hyperparameters at and around the edges of their ranges."""
+    edge = st.sampled_from([0.0, 0.5, 0.9, 0.999])
+    return {
+        "lr": draw(st.sampled_from([0.0, 0.01, 1.0])),
+        "betas": (draw(edge), draw(edge)),
+        "eps": draw(st.sampled_from([1e-8, 0.5, 1.0, 2.0])),
+        "weight_decay": draw(st.sampled_from([0.0, 0.5, 1.0, 2.0])),
+        "amsgrad": draw(st.booleans()),
+    }
+
+
+@pytest.mark.parametrize("make", ["adam", "adamw"])
+@settings(max_examples=30, deadline=None)
+@given(
+    data=st.data(),
+    hp=adam_boundary_hparams(),
+    path=st.sampled_from(["fused", "foreach", "bf16-fused"]),
+    donate=st.booleans(),
+)
+def test_matches_torch_at_boundary_hyperparameters_with_params_skipped(
+    make: str, data: st.DataObject, hp: dict[str, Any], path: str, donate: bool
+) -> None:
+    """At the edges of every range (betas 0 and near 1, eps and weight decay of 0, 1 and above,
+    lr 0 and 1, amsgrad) and with params left without a gradient in some steps (their own step
+    counts then differ), params, moments and step counts equal torch.optim.Adam / AdamW: bitwise
+    its fused kind on the fused paths (fp32 and bf16), within fp32 tolerance its foreach kind on
+    the foreach path (one call per distinct step count)."""
+    dtype = torch.bfloat16 if path.startswith("bf16") else torch.float32
+    init, grads = masked_grads(data, [(3, 2), (5,), (2, 2)], dtype, steps=4)
+    opt, cls = (
+        (optim.adam, torch.optim.Adam) if make == "adam" else (optim.adamw, torch.optim.AdamW)
+    )
+    with pytest.MonkeyPatch.context() as mp:
+        if path == "foreach":
+            mp.setattr(_adam, "fused_supported", lambda device, dtype, **kw: False)
+        params, state = run_ours_masked(opt(**hp), init, grads, donate)
+    kind, tol = ({"foreach": True}, {}) if path == "foreach" else ({"fused": True}, EXACT)
+    ref_p, ref_s = run_torch_masked(lambda ps: cls(ps, **hp, **kind), init, grads)
+    for i, (p, r) in enumerate(zip(tree.leaves(params), ref_p, strict=True)):
+        torch.testing.assert_close(p, r, **tol, msg=f"params {i}")
+    for i, s in enumerate(ref_s):
+        for key, theirs in adam_state(s).items():
+            ours = tree.leaves(state[key])[i]
+            torch.testing.assert_close(ours, theirs.to(ours.device), **tol, msg=f"{key} {i}")
+        if not s:  # never had a gradient: moments zero, step count 0
+            assert float(tree.leaves(state["steps"])[i]) == 0.0
+            assert not tree.leaves(state["mu"])[i].any()
+    if hp["weight_decay"]:
+        with pytest.raises(ValueError, match="needs params"):
+            opt(**hp).update(params, state)

@@ -12,6 +12,7 @@ combinators (clip, scale, chains).
 from __future__ import annotations
 
 import inspect
+import math
 import re
 from collections.abc import Callable
 
@@ -38,8 +39,8 @@ from _optim import (
     shapes_st,
 )
 from _optim_rows import CLOSE, FUSED_ROWS, ROWS, TORCH_KINDS, TORCH_ROWS, Hp, Row, State, Tol
-from purestep import optim, tree
-from purestep.optim import _kernels, schedules
+from purestep import errors, optim, tree
+from purestep.optim import _hparams, _kernels, schedules
 
 SCHED = schedules.warmup_cosine(0.05, 2, 8, init=0.01)
 
@@ -383,6 +384,210 @@ def test_defaults_follow_torch(name: str) -> None:
         assert shared, cls
         for k in shared:
             assert ours[k] == theirs[k], (k, ours[k], theirs[k])
+
+
+# Hyperparameter validation at the exact boundaries ----------------------------------
+
+_TINY = 5e-324  # the smallest positive float
+_BELOW_ONE = math.nextafter(1.0, 0.0)
+
+
+@pytest.mark.parametrize(
+    ("make", "kwargs", "exc", "text"),
+    [
+        (optim.adam, {"lr": -_TINY}, ValueError, "lr must be >= 0, got -5e-324"),
+        (optim.adam, {"lr": math.inf}, ValueError, "lr must be finite, got inf"),
+        (optim.adam, {"lr": True}, TypeError, "lr must be a real number, got True"),
+        (optim.adam, {"eps": 0.0}, ValueError, "eps must be > 0, got 0.0"),
+        (optim.adam, {"eps": -math.inf}, ValueError, "eps must be finite, got -inf"),
+        (optim.adam, {"eps": "1"}, TypeError, "eps must be a real number, got '1'"),
+        (
+            optim.adam,
+            {"weight_decay": -_TINY},
+            ValueError,
+            "weight_decay must be >= 0, got -5e-324",
+        ),
+        (optim.adam, {"betas": (1.0, 0.5)}, ValueError, "betas[0] must be in [0, 1), got 1.0"),
+        (
+            optim.adam,
+            {"betas": (0.5, -_TINY)},
+            ValueError,
+            "betas[1] must be in [0, 1), got -5e-324",
+        ),
+        (optim.adam, {"betas": (0.5, None)}, TypeError, "betas[1] must be a real number, got None"),
+        (optim.adam, {"betas": "ab"}, ValueError, "betas must be a pair (beta1, beta2), got 'ab'"),
+        (optim.adam, {"betas": 0.9}, ValueError, "betas must be a pair (beta1, beta2), got 0.9"),
+        (
+            optim.adam,
+            {"betas": [0.1, 0.2, 0.3]},
+            ValueError,
+            "betas must be a pair (beta1, beta2), got (0.1, 0.2, 0.3)",
+        ),
+        (optim.adam, {"amsgrad": 0}, TypeError, "amsgrad must be a bool, got 0"),
+        (optim.sgd, {"momentum": -_TINY}, ValueError, "momentum must be >= 0, got -5e-324"),
+        (optim.sgd, {"dampening": -_TINY}, ValueError, "dampening must be in [0, 1], got -5e-324"),
+        (
+            optim.sgd,
+            {"dampening": math.nextafter(1.0, 2.0)},
+            ValueError,
+            "dampening must be in [0, 1], got 1.0000000000000002",
+        ),
+        (optim.sgd, {"nesterov": None}, TypeError, "nesterov must be a bool, got None"),
+        (optim.sgd, {"momentum": "0.9"}, TypeError, "momentum must be a real number, got '0.9'"),
+        (optim.sgd, {"dampening": None}, TypeError, "dampening must be a real number, got None"),
+        (
+            optim.sgd,
+            {"nesterov": True, "momentum": 0.0},
+            ValueError,
+            "nesterov=True requires momentum > 0 and dampening == 0, got momentum=0.0, dampening=0.0",
+        ),
+        (
+            optim.sgd,
+            {"nesterov": True, "momentum": 0.5, "dampening": _TINY},
+            ValueError,
+            "nesterov=True requires momentum > 0 and dampening == 0, "
+            "got momentum=0.5, dampening=5e-324",
+        ),
+    ],
+    ids=lambda v: safe_id(v.__name__ if callable(v) else str(v)),
+)
+def test_a_value_just_past_a_boundary_is_refused_with_the_whole_message(
+    make: Callable[..., optim.Transform], kwargs: Hp, exc: type[Exception], text: str
+) -> None:
+    """The first value outside a hyperparameter's range (one ulp past the boundary, a wrong
+    type, a non-pair) raises the field's exact message, naming the value it got."""
+    with pytest.raises(exc, match="^" + re.escape(text) + "$"):
+        make(**kwargs)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    lr=st.one_of(st.sampled_from([0.0, _TINY, 1.0, 1e300]), st.floats(0.0, 1e6)),
+    beta=st.one_of(st.sampled_from([0.0, _BELOW_ONE]), st.floats(0.0, 1.0, exclude_max=True)),
+    eps=st.one_of(st.sampled_from([_TINY, 1.0, 1e300]), st.floats(_TINY, 1e6)),
+    decay=st.one_of(st.sampled_from([0.0, 1.0, 1e300]), st.floats(0.0, 1e6)),
+    dampening=st.one_of(st.sampled_from([0.0, 1.0]), st.floats(0.0, 1.0)),
+    momentum=st.one_of(st.sampled_from([_TINY, 1.0, 5.0]), st.floats(_TINY, 1e6)),
+    as_int=st.booleans(),
+)
+def test_every_value_inside_the_ranges_including_their_boundaries_is_accepted_as_given(
+    lr: float,
+    beta: float,
+    eps: float,
+    decay: float,
+    dampening: float,
+    momentum: float,
+    as_int: bool,
+) -> None:
+    """lr, weight_decay, momentum >= 0; eps > 0; betas in [0, 1); dampening in [0, 1]: any
+    value in the closed side of its range constructs, kept unchanged in ``hparams`` (a list of
+    betas as a tuple; an integer lr as given); Nesterov accepts the smallest positive momentum."""
+    lr_in: float = int(lr) if as_int else lr
+    a = optim.adam(lr=lr_in, betas=[beta, beta], eps=eps, weight_decay=decay, amsgrad=True)
+    assert a.hparams == optim.AdamHParams(
+        lr=lr_in, betas=(beta, beta), eps=eps, weight_decay=decay, amsgrad=True
+    )
+    assert a.hparams.betas == (beta, beta) and type(a.hparams.betas) is tuple
+    assert a.hparams.lr == lr_in and type(a.hparams.lr) is type(lr_in)
+    w = optim.adamw(lr=lr, betas=(0.0, beta), eps=eps, weight_decay=decay)
+    assert w.hparams.decoupled_weight_decay is True and w.hparams.weight_decay == decay
+    s = optim.sgd(lr=lr, momentum=momentum, dampening=dampening, weight_decay=decay)
+    assert (s.hparams.momentum, s.hparams.dampening) == (momentum, dampening)
+    n = optim.sgd(lr=lr, momentum=momentum, nesterov=True)
+    assert n.hparams.nesterov is True and n.hparams.momentum == momentum
+
+
+def _boom(n: int) -> float:
+    raise RuntimeError("no lr here")
+
+
+def _negative_at_zero_only(n: int) -> float:
+    return -0.5 if n == 0 else 0.1
+
+
+def _fails_at_zero_only(n: int) -> float:
+    if n == 0:
+        raise ZeroDivisionError("count 0")
+    return 0.1
+
+
+@pytest.mark.parametrize(
+    ("lr", "exc", "text", "count"),
+    [
+        (
+            schedules.linear(0.1, -0.1, 10),
+            errors.ScheduleError,
+            "lr: the schedule linear(start=0.1, end=-0.1, steps=10) goes negative at count 6 "
+            "(lr(6) = -0.01999999999999999); a learning rate must be >= 0 at every count: fix "
+            "its end points (a negative lr would ascend the loss)",
+            6,
+        ),
+        (_boom, errors.ScheduleError, "lr: schedule {lr!r} failed at count 0: no lr here", 0),
+        (
+            _fails_at_zero_only,
+            errors.ScheduleError,
+            "lr: schedule {lr!r} failed at count 0: count 0",
+            0,
+        ),
+        (lambda n: math.nan, errors.ScheduleError, "lr(0) must be finite, got nan", 0),
+        (
+            _negative_at_zero_only,
+            errors.ScheduleError,
+            "lr must be >= 0, but the schedule gives lr(0) = -0.5",
+            0,
+        ),
+        (
+            lambda n: -_TINY,
+            errors.ScheduleError,
+            "lr must be >= 0, but the schedule gives lr(0) = -5e-324",
+            0,
+        ),
+        (lambda n: "0.1", TypeError, "lr(0) must be a real number, got '0.1'", None),
+    ],
+    ids=["linear", "raises", "raises-at-0", "nan", "negative-at-0", "tiny-negative", "a-string"],
+)
+def test_a_schedule_bad_at_construction_is_refused_naming_its_count_and_value(
+    lr: Callable[[int], float], exc: type[Exception], text: str, count: int | None
+) -> None:
+    """A purestep schedule that goes negative at some count, or a callable that fails or is
+    negative / not finite / not a number at count 0, is refused when the optimizer is built:
+    the message names the schedule, the count and the value, and ``ScheduleError.count`` is
+    that count."""
+    with pytest.raises(exc, match="^" + re.escape(text.format(lr=lr)) + "$") as info:
+        optim.sgd(lr=lr)
+    if count is not None:
+        assert info.value.count == count  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("first", [0.0, 0.5, 1.0, 7.0])
+def test_a_schedule_valid_at_count_zero_is_accepted_and_kept(first: float) -> None:
+    """A user callable that is finite and >= 0 at count 0 (0 included, values above 1 too)
+    constructs every optimizer and is kept as ``hparams.lr``; its first value is init's lr."""
+
+    def sched(n: int) -> float:
+        return first if n == 0 else -1.0  # later counts are checked by each update
+
+    for make in (optim.adam, optim.sgd, optim.lion):
+        opt = make(lr=sched)
+        assert opt.hparams.lr is sched
+        assert float(opt.init(as_tree([torch.ones(1)]))["lr"]) == first
+
+
+def test_check_grads_without_params_compares_with_the_state_tree() -> None:
+    """``check_grads(grads, None, state_tree)`` names the path and shapes, calling the other
+    side the optimizer state; with params it compares with the params; with neither it passes."""
+    w2, w3 = TensorDict({"w": torch.ones(2)}, []), TensorDict({"w": torch.ones(3)}, [])
+    with pytest.raises(
+        ValueError, match=re.escape("grads at w has shape (3,), but optimizer state has shape (2,)")
+    ):
+        _hparams.check_grads(w3, None, w2)
+    with pytest.raises(
+        ValueError, match=re.escape("grads at w has shape (3,), but params has shape (2,)")
+    ):
+        _hparams.check_grads(w3, w2, w3)
+    _hparams.check_grads(w3, None, w3)
+    _hparams.check_grads(w3, w3)
+    _hparams.check_grads(w3, None)
 
 
 # Params without a gradient, layouts ----------------------------------------------------
