@@ -1316,3 +1316,58 @@ def test_describe_says_what_a_value_is() -> None:
     assert _describe(torch.zeros(2, 3, dtype=torch.int32)) == "a torch.int32 tensor of shape (2, 3)"
     assert _describe(TensorDict({}, [])) == "a TensorDict"
     assert _describe(None) == "missing"
+
+
+def _alias_under(key: str, state: TensorDict) -> tuple[str, str]:
+    """Put a view of params.m.w (or of step) under ``key``; the two paths that now share."""
+    w = state["params", "m", "w"]
+    if key == "opt_state":
+        state["opt_state", "m", "mu", "w"] = w
+        return "params.m.w", "opt_state.m.mu.w"
+    if key == "step":
+        state["buffers", "m", "n"] = state["step"]
+        return "buffers.m.n", "step"
+    state[key, "m", "w"] = w
+    return "params.m.w", f"{key}.m.w"
+
+
+@pytest.mark.parametrize(
+    "key", ["opt_state", "buffers", "ema", "ema_buffers", "skip", "step", "extra", "rng"]
+)
+def test_a_donated_check_refuses_shared_memory_under_every_key_a_step_writes(key: str) -> None:
+    """With donate=True, two leaves that share memory under the keys a step writes (params,
+    opt_state, buffers, ema, ema_buffers, skip, step) are refused, naming both paths; under keys
+    it never writes (extra) they are fine; without donation nothing is refused."""
+    state, opts = _vstate()
+    if key == "rng":  # a view of step under rng: rng is read, never written
+        state["rng"] = state["step"]
+    else:
+        a, b = _alias_under(key, state)
+    ps.step.check_state(state.clone(recurse=False), opts, who="train_step")
+    if key in ("extra", "rng"):
+        ps.step.check_state(state, opts, who="train_step", donate=True, cached=False)
+        return
+    with pytest.raises(errors.StateError) as info:
+        ps.step.check_state(state, opts, who="train_step", donate=True, cached=False)
+    message = str(info.value)
+    assert message.startswith("train_step: ") and "so a donated step would update" in message
+    assert f"{a} shares memory with {b}" in message or f"{b} shares memory with {a}" in message
+    assert info.value.path is not None and tree.format_path(info.value.path) in (a, b)
+
+
+def test_bounded_caches_keep_their_bound() -> None:
+    """The per-structure caches drop their oldest entries: they never grow past their bound."""
+    from purestep.step import _batch, _validate
+
+    keep = [(_params(), _params()) for _ in range(_validate._CACHE_SIZE + 5)]
+    for a, b in keep:
+        _validate.remember_pair(a, b, "ema")
+    assert len(_validate._CHECKED) == _validate._CACHE_SIZE
+    idx = [torch.arange(3) for _ in range(70)]
+    for i in idx:
+        ps.step.check_index(i)
+    assert len(_batch._DISTINCT) == 64
+    opts = [optim.sgd(0.1) for _ in range(40)]
+    for o in opts:
+        ps.step.check_state(ps.init_state({"m": _params()}, {"m": o}, seed=0), {"m": o}, who="t")
+    assert len(_validate._EXPECTED) == 32
