@@ -784,3 +784,590 @@ def test_replacing_a_role_subtree_after_a_step_is_checked_again() -> None:
     state["params", "student"] = TensorDict({"weight": torch.zeros(1, 2)}, [])
     with pytest.raises(errors.StateError, match=r"params\.student\.bias is missing"):
         s.step(state, BATCH)
+
+
+# --- the step-boundary check, message by message ------------------------------------------
+# check_state (run at every step's entry) names the key path at fault, what is there, what
+# belongs there and how to build it; each row asserts those pieces and the error's .path.
+
+
+def _params() -> TensorDict:
+    return TensorDict({"w": torch.ones(2), "b": torch.ones(1)}, [])
+
+
+def _vstate(opt: optim.Transform | None = None) -> tuple[TensorDict, dict[str, optim.Transform]]:
+    opts = {"m": opt or optim.adamw(1e-3)}
+    return ps.init_state({"m": _params()}, opts, seed=0), opts
+
+
+def _edited(edit: Callable[[TensorDict], Any], opt: optim.Transform | None = None) -> Any:
+    state, _ = _vstate(opt)
+    return edit(state.clone())
+
+
+def _set(path: tuple[str, ...], value: Any) -> Callable[[TensorDict], TensorDict]:
+    def edit(state: TensorDict) -> TensorDict:
+        state[path] = value
+        return state
+
+    return edit
+
+
+def _drop(path: tuple[str, ...]) -> Callable[[TensorDict], TensorDict]:
+    def edit(state: TensorDict) -> TensorDict:
+        del state[path]
+        return state
+
+    return edit
+
+
+def _reordered(path: tuple[str, ...]) -> Callable[[TensorDict], TensorDict]:
+    def edit(state: TensorDict) -> TensorDict:
+        node = state[path]
+        state[path] = TensorDict({k: node[k] for k in reversed(list(node.keys()))}, [])
+        return state
+
+    return edit
+
+
+@dataclass(frozen=True)
+class StateCase:
+    """``edit`` breaks a valid adamw (or ``opt``) state; check_state must say ``pieces``."""
+
+    name: str
+    edit: Callable[[TensorDict], Any]
+    pieces: tuple[str, ...]
+    path: tuple[str, ...] | None
+    opt: Callable[[], optim.Transform] = lambda: optim.adamw(1e-3)
+    exc: type[BaseException] = errors.StateError
+    step_opt: Callable[[], optim.Transform] | None = None  # the step's optimizer, if not opt
+
+
+STATE_CASES = [
+    StateCase(
+        "not a TensorDict",
+        lambda s: dict(s.items()),
+        (
+            "train_step: state is a dict, expected the TensorDict built by purestep.init_state "
+            "(steps are called as step(state, batch))",
+        ),
+        None,
+        exc=TypeError,
+    ),
+    StateCase(
+        "no params",
+        _drop(("params",)),
+        (
+            "train_step: the state has no 'params' ({role: tree of params}); it has "
+            "['opt_state', 'rng', 'step']. Build states with purestep.init_state (and "
+            "step.prepare for the keys wrappers add)",
+        ),
+        ("params",),
+    ),
+    StateCase(
+        "no step",
+        _drop(("step",)),
+        ("train_step: the state has no 'step' (an int64 0-dim tensor: the steps taken)",),
+        ("step",),
+    ),
+    StateCase(
+        "no rng",
+        _drop(("rng",)),
+        ("train_step: the state has no 'rng' (an int64 0-dim tensor: the root PRNG key)",),
+        ("rng",),
+    ),
+    StateCase(
+        "float step",
+        _set(("step",), torch.zeros(())),
+        (
+            "train_step: state['step'] is a torch.float32 tensor of shape (); it must be an "
+            "int64 0-dim tensor (the steps taken). Build states with purestep.init_state",
+        ),
+        ("step",),
+    ),
+    StateCase(
+        "rng of two numbers",
+        _set(("rng",), torch.zeros(2, dtype=torch.int64)),
+        ("train_step: state['rng'] is a torch.int64 tensor of shape (2,)", "the root PRNG key"),
+        ("rng",),
+    ),
+    StateCase(
+        "rng of no numbers",
+        _set(("rng",), torch.zeros(0, dtype=torch.int64)),
+        ("state['rng'] is a torch.int64 tensor of shape (0,)",),
+        ("rng",),
+    ),
+    StateCase(
+        "step is a tree",
+        _set(("step",), TensorDict({"n": torch.zeros((), dtype=torch.int64)}, [])),
+        ("train_step: state['step'] is a TensorDict; it must be",),
+        ("step",),
+    ),
+    StateCase(
+        "buffers of a role without params",
+        _set(("buffers", "ghost"), TensorDict({"n": torch.zeros(1)}, [])),
+        (
+            "train_step: the state has buffers for role 'ghost' but no params for it (roles "
+            "with params: ['m'])",
+        ),
+        ("buffers", "ghost"),
+    ),
+    StateCase(
+        "no opt_state",
+        _drop(("opt_state",)),
+        ("train_step: the state has no 'opt_state' ({role: optimizer state}); it has [",),
+        ("opt_state",),
+    ),
+    StateCase(
+        "no params for the role",
+        _set(("params",), TensorDict({"other": _params()}, [])),
+        (
+            "train_step: the state has no params.m (role 'm' has an optimizer; roles with "
+            "params: ['other']); build the state with init_state for every role the step "
+            "updates",
+        ),
+        ("params", "m"),
+    ),
+    StateCase(
+        "no opt_state for the role",
+        _set(("opt_state",), TensorDict({"other": TensorDict({}, [])}, [])),
+        (
+            "train_step: the state has no opt_state.m (roles with an optimizer state: "
+            "['other']); build it with init_state(..., optimizers) using the optimizers of "
+            "this step",
+        ),
+        ("opt_state", "m"),
+    ),
+    StateCase(
+        "integer param",
+        _set(("params", "m", "w"), torch.ones(2, dtype=torch.int64)),
+        (
+            "train_step: params.m.w has dtype torch.int64; trainable params must be floating "
+            "point (integer tensors belong in state['buffers'])",
+        ),
+        ("params", "m", "w"),
+    ),
+    StateCase(
+        "sgd-with-momentum state, adamw step",
+        lambda s: s,
+        (
+            "train_step: opt_state.m was not built by this step's optimizer for role 'm' "
+            "(adamw): opt_state.m has keys ['count', 'lr', 'momentum_buffer'], its optimizer "
+            "keeps ['count', 'lr', 'mu', 'nu', 'steps'] (missing opt_state.m.mu, "
+            "opt_state.m.nu, opt_state.m.steps; unexpected opt_state.m.momentum_buffer). A "
+            "state built for one optimizer (or other hyperparameters) cannot be stepped with "
+            "another: build it with init_state(..., optimizers) using the optimizers of this "
+            "step",
+        ),
+        ("opt_state", "m"),
+        opt=lambda: optim.sgd(0.1, momentum=0.9),
+        step_opt=lambda: optim.adamw(1e-3),
+    ),
+    StateCase(
+        "plain sgd state, adamw step: only missing keys",
+        lambda s: s,
+        ("(missing opt_state.m.mu, opt_state.m.nu, opt_state.m.steps). A state",),
+        ("opt_state", "m"),
+        opt=lambda: optim.sgd(0.1),
+        step_opt=lambda: optim.adamw(1e-3),
+    ),
+    StateCase(
+        "an extra moment: only unexpected keys",
+        _set(("opt_state", "m", "extra"), torch.zeros(1)),
+        ("(unexpected opt_state.m.extra). A state",),
+        ("opt_state", "m"),
+    ),
+    StateCase(
+        "a moment tree replaced by a tensor",
+        _set(("opt_state", "m", "mu"), torch.zeros(2)),
+        (
+            "(adamw): opt_state.m.mu is a torch.float32 tensor of shape (2,), expected a tree "
+            "with keys ['w', 'b']. A state",
+        ),
+        ("opt_state", "m"),
+    ),
+    StateCase(
+        "the count replaced by a tree",
+        _set(("opt_state", "m", "count"), TensorDict({}, [])),
+        (
+            "(adamw): opt_state.m.count is a TensorDict, expected a torch.int64 tensor of "
+            "shape (). A state",
+        ),
+        ("opt_state", "m"),
+    ),
+    StateCase(
+        "the count re-typed",
+        _set(("opt_state", "m", "count"), torch.zeros((), dtype=torch.int32)),
+        (
+            "train_step: opt_state.m does not fit params.m (optimizer adamw): opt_state.m.count "
+            "is a torch.int32 tensor of shape (), expected a torch.int64 tensor of shape (). "
+            "params and opt_state must describe the same parameters: change them together, "
+            "or rebuild the state with init_state",
+        ),
+        ("opt_state", "m", "count"),
+    ),
+    StateCase(
+        "a param without adamw state",
+        _set(("params", "m", "extra"), torch.zeros(3)),
+        (
+            "(optimizer adamw): params.m.extra has no optimizer state (opt_state.m.mu.extra, "
+            "opt_state.m.nu.extra, opt_state.m.steps.extra are missing). params",
+        ),
+        ("params", "m", "extra"),
+    ),
+    StateCase(
+        "a param without sgd state",
+        _set(("params", "m", "extra"), torch.zeros(3)),
+        (
+            "(optimizer sgd): params.m.extra has no optimizer state "
+            "(opt_state.m.momentum_buffer.extra is missing). params",
+        ),
+        ("params", "m", "extra"),
+        opt=lambda: optim.sgd(0.1, momentum=0.9),
+    ),
+    StateCase(
+        "adamw state of a dropped param",
+        _drop(("params", "m", "b")),
+        (
+            "(optimizer adamw): opt_state.m.mu.b, opt_state.m.nu.b, opt_state.m.steps.b are "
+            "the state of no param (params.m.b is missing: dropped or renamed?). params",
+        ),
+        ("opt_state", "m", "mu", "b"),
+    ),
+    StateCase(
+        "sgd state of a dropped param",
+        _drop(("params", "m", "b")),
+        (
+            "(optimizer sgd): opt_state.m.momentum_buffer.b is the state of no param "
+            "(params.m.b is missing: dropped or renamed?). params",
+        ),
+        ("opt_state", "m", "momentum_buffer", "b"),
+        opt=lambda: optim.sgd(0.1, momentum=0.9),
+    ),
+    StateCase(
+        "a moment reshaped",
+        _set(("opt_state", "m", "mu", "w"), torch.zeros(3)),
+        (
+            "(optimizer adamw): opt_state.m.mu.w is a torch.float32 tensor of shape (3,), "
+            "expected a torch.float32 tensor of shape (2,) for params.m.w. params",
+        ),
+        ("opt_state", "m", "mu", "w"),
+    ),
+    StateCase(
+        "a param reshaped: every moment of it",
+        _set(("params", "m", "w"), torch.zeros(3)),
+        (
+            "(optimizer adamw): opt_state.m.mu.w, opt_state.m.nu.w are a torch.float32 tensor "
+            "of shape (2,), expected a torch.float32 tensor of shape (3,) for params.m.w. params",
+        ),
+        ("opt_state", "m", "mu", "w"),
+    ),
+    StateCase(
+        "moments in another order",
+        _reordered(("opt_state", "m", "momentum_buffer")),
+        (
+            "(optimizer sgd): opt_state.m.momentum_buffer lists its leaves in another order "
+            "than params.m (position 0: 'b' vs 'w'); the optimizer pairs them by position. "
+            "params",
+        ),
+        ("opt_state", "m", "momentum_buffer"),
+        opt=lambda: optim.sgd(0.1, momentum=0.9),
+    ),
+]
+
+
+@pytest.mark.parametrize("case", STATE_CASES, ids=[safe_id(c.name) for c in STATE_CASES])
+def test_check_state_names_the_key_path_what_is_there_and_how_to_build_it(
+    case: StateCase,
+) -> None:
+    """Each broken state raises the documented error whose message holds every piece (the key
+    path, what is there, what belongs there, the fix) and whose .path is the key at fault."""
+    opt = case.opt()
+    state = _edited(case.edit, opt)
+    step_opt = case.step_opt() if case.step_opt is not None else opt
+    with pytest.raises(case.exc) as info:
+        ps.step.check_state(state, {"m": step_opt}, who="train_step")
+    message = str(info.value)
+    for piece in case.pieces:
+        assert piece in message, (piece, message)
+    if case.path is not None:
+        assert info.value.path == case.path  # type: ignore[attr-defined]
+
+
+@settings(max_examples=12, deadline=None)
+@given(n=st.integers(1, 9))
+def test_check_state_lists_the_first_six_problems_and_counts_the_rest(n: int) -> None:
+    """n params without optimizer state: the message lists the first min(n, 6), joined by '; ',
+    then '(and n - 6 more)' exactly when n > 6; .path is the first one."""
+    opts = {"m": optim.sgd(0.1, momentum=0.9)}
+    state = ps.init_state({"m": TensorDict({"keep": torch.ones(1)}, [])}, opts, seed=0)
+    for i in range(n):
+        state["params", "m", f"p{i}"] = torch.zeros(1)
+    with pytest.raises(errors.StateError) as info:
+        ps.step.check_state(state, opts, who="train_step")
+    parts = [
+        f"params.m.p{i} has no optimizer state (opt_state.m.momentum_buffer.p{i} is missing)"
+        for i in range(min(n, 6))
+    ]
+    more = f" (and {n - 6} more)" if n > 6 else ""
+    assert f"(optimizer sgd): {'; '.join(parts)}{more}. params and" in str(info.value)
+    assert "more)" in str(info.value) if n > 6 else "more)" not in str(info.value)
+    assert info.value.path == ("params", "m", "p0")
+
+
+@settings(max_examples=20, deadline=None)
+@given(params=testing.param_trees(max_leaves=4), data=st.data())
+def test_check_state_names_the_nested_key_path_of_a_bad_leaf(
+    params: TensorDict, data: st.DataObject
+) -> None:
+    """For any leaf of a nested params tree: made integer, its params path is named; its moment
+    reshaped, the moment's path and the param's are named; .path is that key."""
+    opts = {"m": optim.adamw(1e-3)}
+    state = ps.init_state({"m": params}, opts, seed=0)
+    path = data.draw(st.sampled_from(tree.paths(state["params", "m"])))
+    name = tree.format_path(path)
+    bad = state.clone()
+    bad["params", "m", *path] = torch.zeros(2, dtype=torch.int64)
+    with pytest.raises(errors.StateError) as info:
+        ps.step.check_state(bad, opts, who="train_step")
+    assert f"params.m.{name} has dtype torch.int64" in str(info.value)
+    assert info.value.path == ("params", "m", *path)
+    bad = state.clone()
+    leaf = bad["opt_state", "m", "mu", *path]
+    bad["opt_state", "m", "mu", *path] = torch.zeros((*leaf.shape, 2), dtype=leaf.dtype)
+    with pytest.raises(errors.StateError) as info:
+        ps.step.check_state(bad, opts, who="train_step")
+    assert f"opt_state.m.mu.{name} is a {leaf.dtype} tensor of shape" in str(info.value)
+    assert f"for params.m.{name}" in str(info.value)
+    assert info.value.path == ("opt_state", "m", "mu", *path)
+
+
+# --- with_ema's check of its trees (check_pair) --------------------------------------------
+
+
+def _ema_edit(edit: Callable[[TensorDict], Any]) -> Run:
+    s = _setup()
+    step = ps.with_ema(s.step, 0.9, ["student"])
+    state = step.prepare(s.state).clone()
+    edit(state)
+    return (lambda: step(state, BATCH)), [state]
+
+
+EMA_CASES = [
+    (
+        "a leaf missing",
+        _drop(("ema", "student", "bias")),
+        "ema.student.bias is missing. Change",
+        ("ema", "student", "bias"),
+    ),
+    (
+        "every leaf missing",
+        _set(("ema", "student"), TensorDict({}, [])),
+        "ema.student.weight is missing; ema.student.bias is missing. Change",
+        ("ema", "student", "weight"),
+    ),
+    (
+        "an extra leaf",
+        _set(("ema", "student", "extra"), torch.zeros(1)),
+        "ema.student.extra has no params.student counterpart. Change",
+        ("ema", "student", "extra"),
+    ),
+    (
+        "leaves in another order",
+        _reordered(("ema", "student")),
+        "ema.student lists its leaves in another order. Change",
+        ("ema", "student"),
+    ),
+    (
+        "a leaf of another shape",
+        _set(("ema", "student", "bias"), torch.zeros(2)),
+        "ema.student.bias is a torch.float32 tensor of shape (2,), but params.student.bias is "
+        "a torch.float32 tensor of shape (1,). Change",
+        ("ema", "student", "bias"),
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "edit", "piece", "path"), EMA_CASES, ids=[safe_id(c[0]) for c in EMA_CASES]
+)
+def test_with_ema_names_each_ema_leaf_that_does_not_match_its_param(
+    name: str, edit: Callable[[TensorDict], Any], piece: str, path: tuple[str, ...]
+) -> None:
+    """An EMA tree that does not match params raises StateError naming the EMA key paths, the
+    param it shadows, and the fix; .path is the first key at fault; nothing changes."""
+    call, watched = _ema_edit(edit)
+    before = [testing.snapshot(t) for t in watched]
+    with pytest.raises(errors.StateError) as info:
+        call()
+    message = str(info.value)
+    assert message.startswith("with_ema: ema.student does not match params.student: "), message
+    assert piece in message, message
+    assert message.endswith("(or drop the key and let step.prepare rebuild it)"), message
+    assert info.value.path == path
+    for t, b in zip(watched, before, strict=True):
+        testing.assert_trees_equal(t, b)
+
+
+@settings(max_examples=10, deadline=None)
+@given(n=st.integers(1, 8))
+def test_check_pair_lists_at_most_six_problems(n: int) -> None:
+    """Of n missing EMA leaves, the first min(n, 6) are named, in params order."""
+    from purestep.step._validate import check_pair
+
+    a = TensorDict({f"p{i}": torch.zeros(1) for i in range(n)}, [])
+    with pytest.raises(errors.StateError) as info:
+        check_pair(a, TensorDict({}, []), ("params", "m"), ("ema", "m"), who="w", tag="ema")
+    listed = "; ".join(f"ema.m.p{i} is missing" for i in range(min(n, 6)))
+    assert f"w: ema.m does not match params.m: {listed}. Change" in str(info.value)
+
+
+def _count_walks(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Count the calls of tree.paths (every per-leaf check starts with one)."""
+    calls = [0]
+    paths = tree.paths
+
+    def counting(td: Any) -> Any:
+        calls[0] += 1
+        return paths(td)
+
+    monkeypatch.setattr(tree, "paths", counting)
+    return calls
+
+
+def test_a_pair_that_matched_or_was_registered_is_not_walked_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """check_pair remembers a pair that passed, and remember_pair registers one, by the identity
+    of both trees and the tag: checking them again walks no leaf; another tag is checked."""
+    from purestep.step._validate import check_pair, remember_pair
+
+    a, b = _params(), _params()
+    at = (("params", "m"), ("ema", "m"))
+    calls = _count_walks(monkeypatch)
+    check_pair(a, b, *at, who="with_ema", tag="ema")
+    assert calls[0] > 0
+    calls[0] = 0
+    check_pair(a, b, *at, who="with_ema", tag="ema")
+    assert calls[0] == 0
+    check_pair(a, b, *at, who="with_ema", tag="ema_buffers")
+    assert calls[0] > 0
+    c, d = _params(), _params()
+    remember_pair(c, d, "ema")
+    calls[0] = 0
+    check_pair(c, d, *at, who="with_ema", tag="ema")
+    assert calls[0] == 0
+    for x, y in ((a, d), (c, b)):  # the identity of each tree counts
+        check_pair(x, y, *at, who="with_ema", tag="ema")
+        assert calls[0] > 0
+        calls[0] = 0
+
+
+def test_check_state_walks_a_structure_once_per_optimizer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A state that passed (or was registered with remember) is not walked again for the same
+    optimizer; for another optimizer it is checked (and refused when it does not fit)."""
+    from purestep.step._validate import remember
+
+    state, opts = _vstate()
+    calls = _count_walks(monkeypatch)
+    ps.step.check_state(state, opts, who="train_step")
+    assert calls[0] > 0
+    calls[0] = 0
+    ps.step.check_state(state, opts, who="train_step")
+    assert calls[0] == 0
+    with pytest.raises(errors.StateError, match=r"missing opt_state\.m\.momentum_buffer"):
+        ps.step.check_state(state, {"m": optim.sgd(0.1, momentum=0.9)}, who="train_step")
+    other, _ = _vstate()
+    remember(other, opts)
+    calls[0] = 0
+    ps.step.check_state(other, opts, who="train_step")
+    assert calls[0] == 0
+    ps.step.check_state(other, opts, who="train_step", cached=False)
+    assert calls[0] > 0
+
+
+def test_diagnose_rechecks_without_the_cache_and_without_the_counters() -> None:
+    """diagnose finds a leaf replaced in place after the check (the cache would skip it), names
+    the caller, does not require step/rng, refuses shared leaves only when donating, and
+    returns None when the state is fine or the failure is not the state's."""
+    from purestep.step._validate import diagnose
+
+    state, opts = _vstate()
+    ps.step.check_state(state, opts, who="train_step")
+    state["params", "m", "w"] = torch.zeros(3)  # in place: the checked node is kept
+    ps.step.check_state(state, opts, who="train_step")  # not re-checked up front
+    found = diagnose(state, opts, who="train_step")
+    assert found is not None and found.path == ("opt_state", "m", "mu", "w")
+    assert str(found).startswith("train_step: opt_state.m does not fit params.m")
+    fine, _ = _vstate()
+    assert diagnose(fine.exclude("step", "rng"), opts, who="apply_gradients") is None
+    shared = fine.clone()
+    shared["opt_state", "m", "mu", "w"] = shared["params", "m", "w"]
+    assert diagnose(shared, opts, who="train_step") is None
+    found = diagnose(shared, opts, who="train_step", donate=True)
+    assert found is not None and "params.m.w shares memory with opt_state.m.mu.w" in str(found)
+    assert diagnose({"not": "a state"}, opts, who="train_step") is None
+
+
+def test_describe_says_what_a_value_is() -> None:
+    """Tensors by dtype and shape, other objects by type, nothing as 'missing'."""
+    from purestep.step._validate import _describe
+
+    assert _describe(torch.zeros(2, 3, dtype=torch.int32)) == "a torch.int32 tensor of shape (2, 3)"
+    assert _describe(TensorDict({}, [])) == "a TensorDict"
+    assert _describe(None) == "missing"
+
+
+def _alias_under(key: str, state: TensorDict) -> tuple[str, str]:
+    """Put a view of params.m.w (or of step) under ``key``; the two paths that now share."""
+    w = state["params", "m", "w"]
+    if key == "opt_state":
+        state["opt_state", "m", "mu", "w"] = w
+        return "params.m.w", "opt_state.m.mu.w"
+    if key == "step":
+        state["buffers", "m", "n"] = state["step"]
+        return "buffers.m.n", "step"
+    state[key, "m", "w"] = w
+    return "params.m.w", f"{key}.m.w"
+
+
+@pytest.mark.parametrize(
+    "key", ["opt_state", "buffers", "ema", "ema_buffers", "skip", "step", "extra", "rng"]
+)
+def test_a_donated_check_refuses_shared_memory_under_every_key_a_step_writes(key: str) -> None:
+    """With donate=True, two leaves that share memory under the keys a step writes (params,
+    opt_state, buffers, ema, ema_buffers, skip, step) are refused, naming both paths; under keys
+    it never writes (extra) they are fine; without donation nothing is refused."""
+    state, opts = _vstate()
+    if key == "rng":  # a view of step under rng: rng is read, never written
+        state["rng"] = state["step"]
+    else:
+        a, b = _alias_under(key, state)
+    ps.step.check_state(state.clone(recurse=False), opts, who="train_step")
+    if key in ("extra", "rng"):
+        ps.step.check_state(state, opts, who="train_step", donate=True, cached=False)
+        return
+    with pytest.raises(errors.StateError) as info:
+        ps.step.check_state(state, opts, who="train_step", donate=True, cached=False)
+    message = str(info.value)
+    assert message.startswith("train_step: ") and "so a donated step would update" in message
+    assert f"{a} shares memory with {b}" in message or f"{b} shares memory with {a}" in message
+    assert info.value.path is not None and tree.format_path(info.value.path) in (a, b)
+
+
+def test_bounded_caches_keep_their_bound() -> None:
+    """The per-structure caches drop their oldest entries: they never grow past their bound."""
+    from purestep.step import _batch, _validate
+
+    keep = [(_params(), _params()) for _ in range(_validate._CACHE_SIZE + 5)]
+    for a, b in keep:
+        _validate.remember_pair(a, b, "ema")
+    assert len(_validate._CHECKED) == _validate._CACHE_SIZE
+    idx = [torch.arange(3) for _ in range(70)]
+    for i in idx:
+        ps.step.check_index(i)
+    assert len(_batch._DISTINCT) == 64
+    opts = [optim.sgd(0.1) for _ in range(40)]
+    for o in opts:
+        ps.step.check_state(ps.init_state({"m": _params()}, {"m": o}, seed=0), {"m": o}, who="t")
+    assert len(_validate._EXPECTED) == 32

@@ -14,7 +14,8 @@ from tensordict import TensorDict, TensorDictBase
 from torch import nn
 
 import purestep as ps
-from purestep import _norms, optim, rng, testing, tree
+from _ids import safe_id
+from purestep import _norms, errors, optim, rng, testing, tree
 
 FAST = settings(max_examples=15, deadline=None)
 
@@ -584,3 +585,163 @@ def test_prepare_batch_equals_with_index_of_as_batch(
     for k in expected.keys():
         assert torch.equal(got[k], expected[k]), k
     assert d.keys() == before.keys() and all(d[k] is before[k] for k in d), "caller's dict changed"
+
+
+# --- batches at the step boundary: as_batch, check_index, with_index ------------------------
+
+EMPTY_BATCH = (
+    "batch has no samples (B=0): a step on it would average the loss over nothing (NaN) and "
+    "still apply the optimizer; skip empty batches before the step (e.g. drop_last=True in the "
+    "data loader, or `if len(batch['x']): step(...)`)"
+)
+
+BAD_BATCHES: list[tuple[str, Any, type[Exception], str, str | None]] = [
+    (
+        "a list",
+        [torch.zeros(2)],
+        TypeError,
+        "batch is list; expected a TensorDict or a dict of tensors",
+        None,
+    ),
+    (
+        "a 0-dim entry",
+        {"x": torch.zeros(3), "t": torch.tensor(1.0)},
+        errors.BatchError,
+        "batch key 't' is a 0-dim tensor; every batch entry needs a leading batch dimension",
+        "t",
+    ),
+    (
+        "a nested 0-dim entry",
+        TensorDict({"a": {"b": torch.tensor(1.0)}}, []),
+        errors.BatchError,
+        "batch key 'a.b' is a 0-dim tensor",
+        "a.b",
+    ),
+    ("an empty dict", {}, errors.BatchError, "batch is empty: it has no tensors", None),
+    ("an empty TensorDict", TensorDict({}, []), errors.BatchError, "batch is empty", None),
+    (
+        "entries that disagree on B",
+        {"y": torch.zeros(4), "x": torch.zeros(3, 2), "z": torch.zeros(3)},
+        errors.BatchError,
+        "batch entries disagree on the leading (batch) dimension: 3: x, z; 4: y",
+        None,
+    ),
+    ("B=0 dict", {"x": torch.zeros(0, 2)}, errors.BatchError, EMPTY_BATCH, None),
+    (
+        "B=0 TensorDict",
+        TensorDict({"x": torch.zeros(0)}, [0]),
+        errors.BatchError,
+        EMPTY_BATCH,
+        None,
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "batch", "exc", "message", "key"),
+    BAD_BATCHES,
+    ids=[safe_id(c[0]) for c in BAD_BATCHES],
+)
+def test_as_batch_refuses_what_has_no_batch_dimension_naming_the_entries(
+    name: str, batch: Any, exc: type[Exception], message: str, key: str | None
+) -> None:
+    """as_batch (and so every step) refuses a batch it cannot use, with the message naming the
+    entries at fault (and .key the one entry, where there is one)."""
+    with pytest.raises(exc) as info:
+        ps.step.as_batch(batch)
+    assert message in str(info.value), str(info.value)
+    if exc is errors.BatchError:
+        assert info.value.key == key  # type: ignore[attr-defined]
+
+
+def test_as_batch_takes_b_from_the_leaves_from_one_sample_up() -> None:
+    """B = 1 is a batch; a TensorDict without batch dims gets B on a copy (the input keeps its
+    batch_size); one with batch dims is used as it is."""
+    assert ps.step.as_batch({"x": torch.zeros(1, 2)}).batch_size == torch.Size([1])
+    td = TensorDict({"x": torch.zeros(3, 2), "y": {"z": torch.zeros(3)}}, [])
+    out = ps.step.as_batch(td)
+    assert out.batch_size == torch.Size([3]) and td.batch_size == torch.Size([])
+    assert out["x"] is td["x"]
+    batched = TensorDict({"x": torch.zeros(2, 2)}, [2])
+    assert ps.step.as_batch(batched) is batched
+
+
+BAD_INDEXES = [
+    ("int32", torch.arange(3, dtype=torch.int32), "got dtype torch.int32 and shape (3,)"),
+    ("2-D", torch.zeros(2, 2, dtype=torch.int64), "got dtype torch.int64 and shape (2, 2)"),
+    ("0-dim", torch.tensor(0), "got dtype torch.int64 and shape ()"),
+    ("a list", [0, 1], "got a list"),
+]
+
+
+@pytest.mark.parametrize(("name", "idx", "got"), BAD_INDEXES, ids=[safe_id(c[0]) for c in BAD_INDEXES])
+def test_check_index_refuses_other_dtypes_and_shapes_saying_what_it_got(
+    name: str, idx: Any, got: str
+) -> None:
+    """Only a 1-D int64 tensor is an index; the message says what was given instead."""
+    with pytest.raises(errors.BatchError) as info:
+        ps.step.check_index(idx)
+    assert str(info.value) == (f"batch['index'] must be a 1-D int64 tensor of sample ids; {got}"), (
+        str(info.value)
+    )
+    assert info.value.key == "index"
+
+
+@settings(max_examples=40, deadline=None)
+@given(ids=st.lists(st.integers(0, 5), min_size=1, max_size=8))
+def test_check_index_refuses_exactly_repeated_ids_naming_the_smallest_and_its_positions(
+    ids: list[int],
+) -> None:
+    """An index with distinct ids passes (returned as is); otherwise the smallest repeated id is
+    named with all its positions, and the total of repeats when other ids repeat too."""
+    idx = torch.tensor(ids, dtype=torch.int64)
+    repeated = sorted({i for i in ids if ids.count(i) > 1})
+    if not repeated:
+        assert ps.step.check_index(idx) is idx
+        return
+    with pytest.raises(errors.BatchError) as info:
+        ps.step.check_index(idx)
+    first = repeated[0]
+    where = [p for p, i in enumerate(ids) if i == first]
+    n_dup = len(ids) - len(set(ids))
+    more = f" ({n_dup} repeated ids in all)" if n_dup > len(where) - 1 else ""
+    assert str(info.value).startswith(
+        f"batch['index'] has duplicate sample ids: {first} at positions {where}{more}; "
+        "per-sample noise is drawn from fold_in(key, index[i]), so these samples would get "
+        "the same noise. Give every sample"
+    ), str(info.value)
+    assert str(info.value).endswith("or leave 'index' out (it defaults to arange(B))")
+    assert info.value.key == "index"
+
+
+def test_check_index_checks_an_index_again_after_it_was_written_to() -> None:
+    """A checked index is remembered by identity and version: written in place, it is checked
+    again; a new tensor with the same values is checked too."""
+    idx = torch.tensor([0, 1, 2])
+    assert ps.step.check_index(idx) is idx
+    assert ps.step.check_index(idx) is idx
+    idx[1] = 0
+    with pytest.raises(errors.BatchError, match="0 at positions"):
+        ps.step.check_index(idx)
+    with pytest.raises(errors.BatchError, match="0 at positions"):
+        ps.step.check_index(idx.clone())
+
+
+def test_with_index_adds_arange_b_or_checks_the_given_index() -> None:
+    """with_index adds an int64 arange(B) (also to a batch without leaves) on a copy, and keeps
+    (after checking) an index the batch has; B comes from the batch dimension only."""
+    batch = TensorDict({"x": torch.zeros(3, 2)}, [3])
+    out = ps.step.with_index(batch)
+    assert "index" not in batch.keys() and out["x"] is batch["x"]
+    assert out["index"].dtype == torch.int64 and out["index"].tolist() == [0, 1, 2]
+    assert ps.step.check_index(out["index"]) is out["index"]
+    assert ps.step.with_index(TensorDict({}, [2]))["index"].tolist() == [0, 1]
+    given_ = TensorDict({"x": torch.zeros(2), "index": torch.tensor([7, 3])}, [2])
+    assert ps.step.with_index(given_) is given_
+    with pytest.raises(errors.BatchError, match="7 at positions"):
+        ps.step.with_index(TensorDict({"x": torch.zeros(2), "index": torch.tensor([7, 7])}, [2]))
+    with pytest.raises(
+        ValueError, match=r"^batch has no batch dimension; build it with batch_size"
+    ):
+        ps.step.with_index(TensorDict({"x": torch.zeros(2)}, []))
+    assert ps.step.batch_size(TensorDict({"x": torch.zeros(1, 4)}, [1, 4])) == 1
