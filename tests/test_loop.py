@@ -7,9 +7,11 @@ import importlib.util
 import json
 import os
 import signal
+import sys
+import types
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -1224,3 +1226,100 @@ def test_csv_metric_names_with_commas_or_quotes_read_back_as_their_columns(
     assert header == ["step", *names, "extra"]
     assert rows[0] == {"step": "1", **{n: repr(v) for n, v in values.items()}, "extra": ""}
     assert rows[1] == {"step": "2", **{n: repr(v) for n, v in values.items()}, "extra": "0.5"}
+
+
+# -- progress bar ----------------------------------------------------------------------------
+
+
+class _FakeBar:
+    """Stands in for tqdm: records how the loop drives its progress bar."""
+
+    made: ClassVar[list[_FakeBar]] = []
+
+    def __init__(self, **kwargs: Any) -> None:
+        self.kwargs = kwargs
+        self.updates: list[int] = []
+        self.postfixes: list[tuple[dict[str, str], bool]] = []
+        self.closed = False
+        _FakeBar.made.append(self)
+
+    def update(self, n: int) -> None:
+        self.updates.append(n)
+
+    def set_postfix(self, postfix: dict[str, str], refresh: bool = True) -> None:
+        self.postfixes.append((postfix, refresh))
+
+    def close(self) -> None:
+        self.closed = True
+
+
+@pytest.fixture
+def fake_tqdm(monkeypatch: pytest.MonkeyPatch) -> type[_FakeBar]:
+    _FakeBar.made = []
+    monkeypatch.setitem(sys.modules, "tqdm.auto", types.SimpleNamespace(tqdm=_FakeBar))
+    return _FakeBar
+
+
+class _ManyMetrics:
+    """A step reporting eight metrics m0..m7 = (step + 1) / (k + 3) (more than a bar shows)."""
+
+    def __call__(self, state: TensorDictBase, batch: TensorDictBase) -> Any:
+        s = state["step"] + 1
+        metrics = {f"m{k}": s.double() / (k + 3) for k in range(8)}
+        return TensorDict({"step": s, "acc": state["acc"]}, []), metrics
+
+
+def test_the_progress_bar_counts_from_the_resumed_step_and_shows_each_record(
+    tmp_path: Path, fake_tqdm: type[_FakeBar]
+) -> None:
+    """By default (progress=True) a bar labelled "train" runs from the resumed step to num_steps,
+    advances by each step, shows the first six metrics of every record (4 significant digits,
+    without forcing a redraw), redraws at most twice a second, follows the terminal's width,
+    and is closed at the end."""
+    loop.run(_ManyMetrics(), _toy_state(), _toy_data(2), num_steps=3, checkpoint_dir=tmp_path)
+    fake_tqdm.made = []
+    rec = _Record()
+    loop.run(
+        _ManyMetrics(),
+        _toy_state(),
+        _toy_data(2),
+        num_steps=7,
+        checkpoint_dir=tmp_path,
+        log_every=2,
+        sinks=[rec],
+    )
+    (bar,) = fake_tqdm.made
+    assert bar.kwargs == {
+        "total": 7,
+        "initial": 3,
+        "desc": "train",
+        "dynamic_ncols": True,
+        "mininterval": 0.5,
+    }
+    assert bar.updates == [1, 1, 1, 1]
+    assert [s for s, _ in rec.calls] == [4, 6, 7]
+    shown = [({f"m{k}": f"{m[f'm{k}']:.4g}" for k in range(6)}, False) for _, m in rec.calls]
+    assert bar.postfixes == shown
+    assert bar.closed
+
+
+def test_no_progress_bar_without_progress_or_tqdm(
+    fake_tqdm: type[_FakeBar], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """progress=False makes no bar; without tqdm installed run trains without one."""
+    loop.run(_Toy(), _toy_state(), _toy_data(2), num_steps=2, progress=False, sinks=())
+    assert fake_tqdm.made == []
+    monkeypatch.setitem(sys.modules, "tqdm.auto", None)  # import tqdm.auto raises ImportError
+    out = loop.run(_Toy(), _toy_state(), _toy_data(2), num_steps=2, desc="x", sinks=())
+    assert int(out["step"]) == 2
+
+
+def test_an_error_in_a_sinks_start_propagates_unchanged() -> None:
+    """A sink whose start() raises: that error reaches the caller, not one from the cleanup."""
+
+    class Failing(_Record):
+        def start(self, step: int) -> None:
+            raise RuntimeError(f"sink cannot start at {step}")
+
+    with pytest.raises(RuntimeError, match="sink cannot start at 0"):
+        _run(_Toy(), _toy_state(), _toy_data(1), num_steps=2, sinks=[Failing()])
