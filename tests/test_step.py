@@ -674,7 +674,9 @@ BAD_INDEXES = [
 ]
 
 
-@pytest.mark.parametrize(("name", "idx", "got"), BAD_INDEXES, ids=[safe_id(c[0]) for c in BAD_INDEXES])
+@pytest.mark.parametrize(
+    ("name", "idx", "got"), BAD_INDEXES, ids=[safe_id(c[0]) for c in BAD_INDEXES]
+)
 def test_check_index_refuses_other_dtypes_and_shapes_saying_what_it_got(
     name: str, idx: Any, got: str
 ) -> None:
