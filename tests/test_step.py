@@ -747,3 +747,160 @@ def test_with_index_adds_arange_b_or_checks_the_given_index() -> None:
     ):
         ps.step.with_index(TensorDict({"x": torch.zeros(2)}, []))
     assert ps.step.batch_size(TensorDict({"x": torch.zeros(1, 4)}, [1, 4])) == 1
+
+
+# --- a forward that writes its weights; donated buffers; the state-check cache ---------------
+
+
+class _Renorm(nn.Module):
+    """``nn.Embedding(max_norm=0.5)`` renormalises the rows it looks up, in place, in forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.emb = nn.Embedding(10, 4, max_norm=0.5, _weight=3.0 * torch.randn(10, 4, generator=g))
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.head(self.emb(ids))
+        return out
+
+
+def _without_donate(gf: ps.step.GradFn) -> Callable[..., Any]:
+    """A user's grad_fn that takes ``buffers=`` but not ``donate=`` (so it never donates)."""
+
+    def grad_fn(
+        params: TensorDictBase,
+        batch: TensorDictBase,
+        key: torch.Tensor,
+        *,
+        roles: Any = None,
+        buffers: TensorDictBase | None = None,
+    ) -> tuple[TensorDict, TensorDict]:
+        return gf(params, batch, key, roles=roles, buffers=buffers)
+
+    return grad_fn
+
+
+def test_weights_written_by_the_forward_reach_the_state_donated_or_not() -> None:
+    """Embedding(max_norm) writes the looked-up rows during forward. Through a grad_fn that does
+    not take ``donate=`` (the written values come back in ``buffers``), donate=True and False
+    give the same states, bitwise, as value_and_grad's own donated path (writes in place)."""
+    net = _Renorm()
+
+    def loss_fn(p: TensorDictBase, b: TensorDictBase, key: torch.Tensor) -> Any:
+        return ((ps.call(net, p["m"], b["ids"]) - b["y"]) ** 2).mean(), {}
+
+    opt = {"m": optim.sgd(0.1)}
+    gf = ps.value_and_grad(loss_fn)
+    g = torch.Generator().manual_seed(1)
+    batches = [
+        {"ids": torch.randint(0, 10, (4,), generator=g), "y": torch.randn(4, 2, generator=g)}
+        for _ in range(3)
+    ]
+    init = ps.init_state({"m": net}, opt, seed=0)
+    runs = {}
+    for name, fn, donate in (
+        ("custom, donate=False", _without_donate(gf), False),
+        ("custom, donate=True", _without_donate(gf), True),
+        ("value_and_grad, donate=True", gf, True),
+    ):
+        step = ps.train_step(fn, opt, donate=donate)
+        state = init.clone()
+        for b in batches:
+            state, _ = step(state, b)
+        runs[name] = state
+    first = batches[0]["ids"]
+    w0 = init["params", "m", "emb", "weight"]
+    assert bool((w0[first].norm(dim=-1) > 0.5).all()), "the rows start above max_norm"
+    ref = runs["value_and_grad, donate=True"]
+    for name, state in runs.items():
+        testing.assert_trees_equal(state, ref, what=name)
+
+
+def _nan_steps(donate: bool, ema: bool = False) -> tuple[Any, TensorDict, list[TensorDict]]:
+    net = _mlp(0)
+    opt = {"student": optim.adamw(1e-2)}
+    step: Any = ps.skip_nonfinite(
+        ps.train_step(ps.value_and_grad(_nan_when()(net)), opt, donate=donate)
+    )
+    if ema:
+        step = ps.with_ema(step, 0.9, ["student"])
+    batches = []
+    for i, flag in enumerate([1.0, float("nan"), float("nan"), 1.0, 1.0]):
+        b = _batch(i, 4)
+        b["bad"] = torch.full((4,), flag)
+        batches.append(b)
+    return step, ps.init_state({"student": net}, opt, seed=0), batches
+
+
+def test_a_donated_step_advances_its_counters_in_their_own_buffers() -> None:
+    """donate=True reuses the input's buffers: ``step`` and the skip counters are updated in
+    place on finite and skipped steps alike (and params too on a skipped step, where nothing
+    else changes); donate=False leaves every input counter as it was."""
+    for donate in (False, True):
+        step, state, batches = _nan_steps(donate)
+        state = step.prepare(state)
+        for b in batches:
+            counters = [("step",), ("skip", "total"), ("skip", "consecutive")]
+            before = {k: (state.get(k).data_ptr(), int(state.get(k))) for k in counters}
+            params = {k: t.data_ptr() for k, t in state["params"].items(True, True)}
+            new, metrics = step(state, b)
+            for k in counters:
+                reused = new.get(k).data_ptr() == before[k][0]
+                assert reused == donate, (donate, k)
+                if not donate:
+                    assert int(state.get(k)) == before[k][1], k
+            if donate and bool(metrics["skipped"]):
+                assert all(new["params"].get(k).data_ptr() == p for k, p in params.items())
+            state = new
+
+
+def test_a_donated_step_on_an_unprepared_state_marks_its_input_when_skipped() -> None:
+    """``prepare`` inside the step adds the skip counters to a copy; the caller's state is the
+    one donated, so using it again raises, on a finite and on a skipped (NaN) step, with or
+    without with_ema around."""
+    for ema in (False, True):
+        step, state, batches = _nan_steps(True, ema=ema)
+        for b in batches[:2]:
+            entry = state.clone()
+            assert "skip" not in entry.keys()
+            new, _ = step(entry, b)
+            with pytest.raises(ps.DonatedStateError, match="donated"):
+                step(entry, b)
+            assert int(new["step"]) == int(state["step"]) + 1
+
+
+def test_the_state_checks_run_once_per_structure() -> None:
+    """A state a step returned is registered as checked: the next step's checks of its
+    (params, opt_state) pairs and EMA trees are cache hits, after finite and skipped steps.
+    A step whose state is new (the first) checks in full."""
+    from purestep.step import _validate
+
+    for donate in (False, True):
+        step, state, batches = _nan_steps(donate, ema=True)
+        state = step.prepare(state)
+        misses: list[object] = []
+        known = _validate._known
+
+        def spy(
+            a: object, b: object, tag: object, known: Any = known, misses: Any = misses
+        ) -> bool:
+            hit: bool = known(a, b, tag)
+            if not hit:
+                misses.append(tag)
+            return hit
+
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(_validate, "_known", spy)
+            for i, b in enumerate(batches):
+                misses.clear()
+                state, _ = step(state, b)
+                after_skip = i > 0 and bool(torch.isnan(batches[i - 1]["bad"]).any())
+                if i == 0:
+                    assert misses, "the first step checks its state"
+                elif after_skip and not donate:
+                    # a skipped step copies the EMA nodes without registering them
+                    assert all(isinstance(t, str) for t in misses), misses
+                else:
+                    assert misses == [], (donate, i, misses)
