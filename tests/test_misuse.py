@@ -1334,25 +1334,85 @@ def _alias_under(key: str, state: TensorDict) -> tuple[str, str]:
 @pytest.mark.parametrize(
     "key", ["opt_state", "buffers", "ema", "ema_buffers", "skip", "step", "extra", "rng"]
 )
-def test_a_donated_check_refuses_shared_memory_under_every_key_a_step_writes(key: str) -> None:
-    """With donate=True, two leaves that share memory under the keys a step writes (params,
-    opt_state, buffers, ema, ema_buffers, skip, step) are refused, naming both paths; under keys
-    it never writes (extra) they are fine; without donation nothing is refused."""
+def test_a_donated_check_refuses_shared_memory_with_every_key_a_step_writes(key: str) -> None:
+    """With donate=True, a leaf that shares memory with one a step writes (params, opt_state,
+    buffers, ema, ema_buffers, skip, step) is refused, naming both paths, whether it is itself
+    written or only read (rng) or passed through (extra: a donated update would change it);
+    without donation nothing is refused."""
     state, opts = _vstate()
-    if key == "rng":  # a view of step under rng: rng is read, never written
+    if key == "rng":  # a view of step under rng: each donated step.add_(1) would advance rng
         state["rng"] = state["step"]
+        a, b = "step", "rng"
     else:
         a, b = _alias_under(key, state)
     ps.step.check_state(state.clone(recurse=False), opts, who="train_step")
-    if key in ("extra", "rng"):
-        ps.step.check_state(state, opts, who="train_step", donate=True, cached=False)
-        return
     with pytest.raises(errors.StateError) as info:
         ps.step.check_state(state, opts, who="train_step", donate=True, cached=False)
     message = str(info.value)
     assert message.startswith("train_step: ") and "so a donated step would update" in message
     assert f"{a} shares memory with {b}" in message or f"{b} shares memory with {a}" in message
     assert info.value.path is not None and tree.format_path(info.value.path) in (a, b)
+    unwritten = {"rng": "rng", "extra": "extra.m.w"}.get(key)
+    assert (unwritten is not None) == ("is not written by the step" in message)
+    if unwritten is not None:
+        assert f". {unwritten} is not written by the step" in message
+
+
+def test_a_donated_check_lets_leaves_the_step_never_writes_share_memory() -> None:
+    """Leaves under keys a step only reads or passes through (rng, user keys) may share memory
+    with each other: a donated step writes neither, so nothing is refused."""
+    state, opts = _vstate()
+    shared = torch.zeros(3)
+    state["extra_a"] = shared
+    state["extra_b"] = TensorDict({"v": shared[1:]}, [])
+    ps.step.check_state(state, opts, who="train_step", donate=True, cached=False)
+
+
+def test_donation_with_rng_aliasing_step_is_refused_not_silently_different() -> None:
+    """A state whose rng is a view of its step trains to different keys when donated (the
+    in-place step.add_(1) advances rng too), so the donated step refuses it; the plain step
+    runs it and leaves rng alone."""
+    net = torch.nn.Linear(2, 1)
+    opt = {"m": optim.sgd(1e-2)}
+
+    def loss_fn(params: Any, batch: Any, key: Any) -> Any:
+        pred = ps.call(net, params["m"], batch["x"])
+        return (pred**2).mean(), {}
+
+    batch = {"x": torch.ones(4, 2)}
+    state = ps.init_state({"m": net}, opt, seed=0)
+    state["rng"] = state["step"]
+    plain, _ = ps.train_step(ps.value_and_grad(loss_fn), opt)(state, batch)
+    assert int(plain["rng"]) == 0 and int(plain["step"]) == 1
+    with pytest.raises(errors.StateError, match=r"rng shares memory with step.*rng is not wr"):
+        ps.train_step(ps.value_and_grad(loss_fn), opt, donate=True)(state, batch)
+
+
+@pytest.mark.parametrize("edit", ["opt_state", "rng"])
+def test_a_donated_step_rechecks_sharing_that_a_cached_check_never_saw(edit: str) -> None:
+    """The check cache does not hide aliasing from a donated step: a state first run by a
+    plain step (cached without the sharing check) is still refused by the donated step, and
+    an edit of a top-level leaf (rng made a view of step) after a donated step is refused by
+    the next one, though its (params, opt_state) nodes are cached."""
+    net = torch.nn.Linear(2, 1)
+    opt = {"m": optim.adamw(1e-2)}
+
+    def loss_fn(params: Any, batch: Any, key: Any) -> Any:
+        return (ps.call(net, params["m"], batch["x"]) ** 2).mean(), {}
+
+    batch = {"x": torch.ones(4, 2)}
+    donated = ps.train_step(ps.value_and_grad(loss_fn), opt, donate=True)
+    state = ps.init_state({"m": net}, opt, seed=0)
+    if edit == "opt_state":
+        state["opt_state", "m", "mu", "weight"] = state["params", "m", "weight"]
+        ps.train_step(ps.value_and_grad(loss_fn), opt)(state, batch)  # fine, and now cached
+        match = r"params.m.weight shares memory with opt_state.m.mu.weight"
+    else:
+        state, _ = donated(state, batch)  # passes, and its output is cached
+        state["rng"] = state["step"]
+        match = r"rng shares memory with step"
+    with pytest.raises(errors.StateError, match=match):
+        donated(state, batch)
 
 
 def test_bounded_caches_keep_their_bound() -> None:

@@ -140,7 +140,7 @@ def apply_gradients(
     )
     _check_bound_donation(state, roles, donate)
     out = _apply(state, grads, optimizers, roles, donate)
-    remember(out, {r: optimizers[r] for r in roles})
+    remember(out, {r: optimizers[r] for r in roles}, donated=donate)
     return out
 
 
@@ -286,7 +286,7 @@ class TrainStep:
                 metrics.set((role, "lr"), lr)
             if role in norms:
                 metrics.set((role, "grad_norm"), norms[role])
-        remember(out, self.optimizers)  # updated roles: the optimizers' output; others: copies
+        remember(out, self.optimizers, donated=self.donate)  # updated: new; others: copies
         return out, metrics
 
     def _skipped(
@@ -303,7 +303,7 @@ class TrainStep:
             mark_donated(entry, what)
             if state is not entry:
                 mark_donated(state, what)
-        remember(out[0], self.optimizers)
+        remember(out[0], self.optimizers, donated=self.donate)
         return out
 
 

@@ -11,8 +11,9 @@ naming the key path at fault when
   (run on ``meta`` tensors: no memory, no arithmetic), so a leaf dropped,
   added, renamed, reshaped, re-typed or reordered on either side, and a state
   built for another optimizer (or other hyperparameters), are found;
-* two leaves share memory (``purestep._sharing.shared_memory``) and the step donates,
-  so one buffer would be updated twice.
+* two leaves share memory (``purestep._sharing.shared_memory``), one of them
+  a leaf the step writes, and the step donates: one buffer would be updated
+  twice, or a leaf the step only reads (``rng``, user keys) would change.
 
 Cost: the checks that walk every leaf run once per *structure*. A role's
 (params, opt_state) pair that passed is remembered by the identity of its two
@@ -114,10 +115,14 @@ def _remember(a: object, b: object, tag: object) -> None:
         _CHECKED[key] = (weakref.ref(a), weakref.ref(b), tag)
 
 
-def remember(state: TensorDictBase, optimizers: Mapping[str, Transform]) -> None:
+def remember(
+    state: TensorDictBase, optimizers: Mapping[str, Transform], *, donated: bool = False
+) -> None:
     """Register ``state``'s (params, opt_state) nodes of ``optimizers``' roles as fitting.
 
-    For states a purestep step has just built from checked ones.
+    For states a purestep step has just built from checked ones. ``donated``:
+    the state came out of a donated step, whose input passed the donated
+    check (no shared memory); the next donated check of these nodes skips it.
 
     Example:
         >>> from tensordict import TensorDict
@@ -130,6 +135,8 @@ def remember(state: TensorDictBase, optimizers: Mapping[str, Transform]) -> None
         p, o = _child(params, role), _child(opt, role)
         if p is not None and o is not None:
             _remember(p, o, transform)
+            if donated:
+                _remember(p, o, _DONATED)
 
 
 def remember_pair(a: TensorDictBase, b: TensorDictBase, tag: object) -> None:
@@ -220,9 +227,15 @@ def check_state(
             continue
         _check_role(who, role, p, o, transform, params, opt)
         checked = True
-    if checked:
-        if donate:
+    if donate:
+        nodes = [(_child(params, role), _child(opt, role)) for role in optimizers]
+        if checked or not all(_known(p, o, _DONATED) for p, o in nodes):
             _check_sharing(state, who)
+            for p, o in nodes:
+                _remember(p, o, _DONATED)
+        else:  # the subtrees passed before; the top-level leaves (step, rng) are re-read
+            _check_sharing(state, who, top_only=True)
+    if checked:
         for role, transform in optimizers.items():
             _remember(_child(params, role), _child(opt, role), transform)
 
@@ -525,19 +538,36 @@ def check_pair(
 
 
 _WRITTEN = (PARAMS, OPT_STATE, BUFFERS, EMA, EMA_BUFFERS, SKIP, STEP)
+_DONATED = object()  # the cache tag of (params, opt_state) nodes that passed the donated check
 
 
-def _check_sharing(state: TensorDictBase, who: str) -> None:
-    """Refuse leaves a donated step writes that share memory."""
+def _check_sharing(state: TensorDictBase, who: str, *, top_only: bool = False) -> None:
+    """Refuse leaves that share memory where a donated step writes one of them.
+
+    Two written leaves that share memory would be updated twice; a written
+    leaf that shares memory with one the step only reads or passes through
+    (``rng``, user keys) would silently change it (``state["rng"]`` a view of
+    ``state["step"]`` would advance with every ``step.add_(1)``), so donation
+    would change the result. Leaves that are never written may share freely. ``top_only``: only the
+    leaves directly under the state (``step``, ``rng``, user tensors), for a
+    state whose subtrees passed before.
+    """
     items: list[tuple[KeyPath, torch.Tensor]] = []
-    for key in _WRITTEN:
+    for key in _keys(state):
         node = _child(state, key)
         if isinstance(node, torch.Tensor):
             items.append(((key,), node))
-        elif isinstance(node, TensorDictBase):
+        elif isinstance(node, TensorDictBase) and not top_only:
             items.extend(
                 ((key, *p), t) for p, t in zip(tree.paths(node), tree.leaves(node), strict=True)
             )
-    shared = shared_memory(items)
+    shared = [(a, b) for a, b in shared_memory(items) if a[0] in _WRITTEN or b[0] in _WRITTEN]
     if shared:
-        raise StateError(sharing_message(who, shared), path=shared[0][0])
+        message = sharing_message(who, shared)
+        kept = [p for pair in shared for p in pair if p[0] not in _WRITTEN]
+        if kept:
+            message += (
+                f". {_fmt(kept[0])} is not written by the step, so a donated update of the "
+                "leaf it shares would change it too"
+            )
+        raise StateError(message, path=shared[0][0])
