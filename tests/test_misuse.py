@@ -892,6 +892,21 @@ STATE_CASES = [
         ("rng",),
     ),
     StateCase(
+        "step of shape (1,)",
+        _set(("step",), torch.zeros(1, dtype=torch.int64)),
+        (
+            "train_step: state['step'] is a torch.int64 tensor of shape (1,); it must be an "
+            "int64 0-dim tensor (the steps taken). Build states with purestep.init_state",
+        ),
+        ("step",),
+    ),
+    StateCase(
+        "rng of shape (1, 1)",
+        _set(("rng",), torch.zeros(1, 1, dtype=torch.int64)),
+        ("train_step: state['rng'] is a torch.int64 tensor of shape (1, 1); it must be",),
+        ("rng",),
+    ),
+    StateCase(
         "rng of no numbers",
         _set(("rng",), torch.zeros(0, dtype=torch.int64)),
         ("state['rng'] is a torch.int64 tensor of shape (0,)",),
@@ -1431,3 +1446,27 @@ def test_bounded_caches_keep_their_bound() -> None:
     for o in opts:
         ps.step.check_state(ps.init_state({"m": _params()}, {"m": o}, seed=0), {"m": o}, who="t")
     assert len(_validate._EXPECTED) == 32
+
+
+@pytest.mark.parametrize("shape", [(1,), (2,), (1, 1)])
+@pytest.mark.parametrize("counter", ["total", "consecutive"])
+def test_skip_counters_that_are_not_0_dim_are_refused_by_prepare(
+    counter: str, shape: tuple[int, ...]
+) -> None:
+    """skip_nonfinite's prepare refuses a skip counter that is not an int64 0-dim tensor
+    (also one element of shape (1,)), naming state['skip', counter]."""
+    state, opts = _vstate()
+
+    def loss_fn(params: Any, batch: Any, key: Any) -> Any:
+        return (params["m", "w"] ** 2).sum(), {}
+
+    step = ps.skip_nonfinite(ps.train_step(ps.value_and_grad(loss_fn), opts))
+    state = step.prepare(state)
+    state["skip", counter] = torch.zeros(shape, dtype=torch.int64)
+    with pytest.raises(errors.StateError) as info:
+        step.prepare(state)
+    assert str(info.value) == (
+        f"skip_nonfinite: state['skip', {counter!r}] must be an int64 0-dim tensor (a count of "
+        "skipped steps); drop state['skip'] and call step.prepare to rebuild it"
+    )
+    assert info.value.path == ("skip", counter)

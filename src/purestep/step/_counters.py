@@ -54,7 +54,7 @@ def _check_skip(skip: object) -> None:
         )
     for key in (SKIP_TOTAL, SKIP_CONSECUTIVE):
         t = skip.get(key) if key in skip.keys() else None
-        if not (isinstance(t, torch.Tensor) and t.dtype == torch.int64 and t.numel() == 1):
+        if not (isinstance(t, torch.Tensor) and t.dtype == torch.int64 and t.ndim == 0):
             raise StateError(
                 f"skip_nonfinite: state['skip', {key!r}] must be an int64 0-dim tensor (a count of "
                 "skipped steps); drop state['skip'] and call step.prepare to rebuild it",

@@ -150,7 +150,7 @@ def remember_pair(a: TensorDictBase, b: TensorDictBase, tag: object) -> None:
 
 
 def _is_counter(t: object) -> bool:
-    return isinstance(t, torch.Tensor) and t.dtype == torch.int64 and t.numel() == 1
+    return isinstance(t, torch.Tensor) and t.dtype == torch.int64 and t.ndim == 0
 
 
 def check_state(
