@@ -225,3 +225,45 @@ def test_every_state_key_is_documented() -> None:
     assert [k for k in _keys.STATE_KEYS if f'"{k}"' not in layout] == []
     for name in _keys.__all__:
         assert getattr(state, name) == getattr(_keys, name) and name in state.__all__
+
+
+def _attrs_classes() -> list[type]:
+    import importlib
+
+    import attrs
+
+    found: list[type] = []
+    for path in sorted((SRC / "purestep").rglob("*.py")):
+        name = _module_name(path)
+        try:
+            module = importlib.import_module(name)
+        except ImportError:  # an optional extra (triton) that is not installed
+            continue
+        found.extend(
+            obj
+            for obj in vars(module).values()
+            if isinstance(obj, type) and attrs.has(obj) and obj.__module__ == name
+        )
+    return found
+
+
+def test_every_attrs_class_has_a_working_repr() -> None:
+    """repr() works for every attrs class in purestep with an attrs-generated __repr__ (on an
+    instance with its fields set to None): attrs >= 26.1 runs the generated __repr__ with the defining module's globals, so a
+    module-level name ``_compat`` (purestep's) shadowed attrs' own and repr raised
+    AttributeError for Transform, SkipNonFinite, EMAStep and NFTStep."""
+    import attrs
+
+    classes = _attrs_classes()
+    generated = [
+        c
+        for c in classes
+        if "attrs generated" in getattr(getattr(c.__repr__, "__code__", None), "co_filename", "")
+    ]
+    assert {c.__name__ for c in generated} >= {"Transform", "SkipNonFinite", "EMAStep", "NFTStep"}
+    for cls in generated:
+        obj = object.__new__(cls)
+        for field in attrs.fields(cls):
+            object.__setattr__(obj, field.name, None)
+        text = repr(obj)  # AttributeError before the fix
+        assert isinstance(text, str) and text, cls

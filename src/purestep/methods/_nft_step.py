@@ -10,7 +10,8 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 from torch import nn
 
-from purestep import _compat, rng, tree
+from purestep import _compat as _ops  # attrs 26.1's __repr__ reads a global _compat
+from purestep import rng, tree
 from purestep._keys import EXTRA, OPT_STATE, PARAMS, RNG, STEP
 from purestep.methods import flow
 from purestep.methods._nft_advantages import advantages
@@ -79,10 +80,10 @@ def old_update(state: TensorDictBase, decay: float, *, donate: bool = False) -> 
     tree.assert_same_structure(student_td, old_td, what="params['old']", like="params['student']")
     old, new = tree.leaves(old_td), tree.leaves(student_td)
     if donate:
-        _compat.foreach_lerp_([tree.local(o) for o in old], [tree.local(s) for s in new], 1.0 - d)
+        _ops.foreach_lerp_([tree.local(o) for o in old], [tree.local(s) for s in new], 1.0 - d)
         return state
     out = state.copy()
-    out.set((PARAMS, "old"), tree.rebuild(old_td, _compat.foreach_lerp(old, new, 1.0 - d)))
+    out.set((PARAMS, "old"), tree.rebuild(old_td, _ops.foreach_lerp(old, new, 1.0 - d)))
     return out
 
 

@@ -25,7 +25,8 @@ import attrs
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from purestep import _compat, tree
+from purestep import _compat as _ops  # attrs 26.1's __repr__ reads a global _compat
+from purestep import tree
 
 __all__ = [
     "ScalarOrSchedule",
@@ -175,8 +176,8 @@ class _Subset:
     def of(params: TensorDictBase, grads: TensorDictBase) -> _Subset | None:
         """None when ``grads`` has exactly the params' structure; raise on unknown keys/shapes."""
         if (
-            type(params) is _compat.PLAIN_TD
-            and type(grads) is _compat.PLAIN_TD
+            type(params) is _ops.PLAIN_TD
+            and type(grads) is _ops.PLAIN_TD
             and tree._same_structure(params, grads, True)
         ):
             return None
@@ -263,11 +264,9 @@ def apply_updates(
     ]
     if donate:
         if p_leaves:
-            _compat.foreach_add_(
-                [tree.local(p) for p in p_leaves], [tree.local(u) for u in u_leaves]
-            )
+            _ops.foreach_add_([tree.local(p) for p in p_leaves], [tree.local(u) for u in u_leaves])
         return cast(TensorDict, params)
-    return tree.rebuild(params, _compat.foreach_add(p_leaves, u_leaves) if p_leaves else [])
+    return tree.rebuild(params, _ops.foreach_add(p_leaves, u_leaves) if p_leaves else [])
 
 
 def _chain_init(transforms: tuple[Transform, ...]) -> Callable[[TensorDictBase], TensorDict]:

@@ -17,7 +17,8 @@ import attrs
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from purestep import _compat, tree
+from purestep import _compat as _ops  # attrs 26.1's __repr__ reads a global _compat
+from purestep import tree
 from purestep._keys import BUFFERS, EMA, EMA_BUFFERS, PARAMS, STEP
 from purestep.errors import StateError
 from purestep.step._batch import Batch
@@ -142,7 +143,7 @@ class EMAStep:
             if cp:
                 tree.copy_([e[i] for i in cp], [p[i] for i in cp])
             if avg:
-                _compat.foreach_lerp_(
+                _ops.foreach_lerp_(
                     [tree.local(e[i]) for i in avg],
                     [tree.local(p[i]) for i in avg],
                     1.0 - self.decay,
@@ -152,9 +153,7 @@ class EMAStep:
         for i in cp:
             new[i] = p[i].clone()
         if avg:
-            lerped = _compat.foreach_lerp(
-                [e[i] for i in avg], [p[i] for i in avg], 1.0 - self.decay
-            )
+            lerped = _ops.foreach_lerp([e[i] for i in avg], [p[i] for i in avg], 1.0 - self.decay)
             for i, t in zip(avg, lerped, strict=True):
                 new[i] = t
         state.set(dst, tree.rebuild(ema_td, new))
