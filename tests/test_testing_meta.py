@@ -1845,7 +1845,8 @@ def test_accumulation_invariance_by_state_reports_each_k_state_then_metrics_with
 )
 def test_accumulation_invariance_names_a_key_only_a_later_k_has(compare: str, extra: str) -> None:
     """k=2's step adds a key (a metric, or a state entry) the reference k=1 lacks: the
-    failure names the tree, the step (for metrics), both ks and the extra key path."""
+    failure, in the check's own form ("accumulation invariance: ..."), names the tree, the
+    step (for metrics), both ks and the extra key path."""
     if compare == "grads":
         opts = {"m": optim.sgd(0.1)}
 
@@ -1873,7 +1874,8 @@ def test_accumulation_invariance_names_a_key_only_a_later_k_has(compare: str, ex
         )
     )
     assert lines == [
-        f"{what}: key structure differs; only in expected: -; only in actual: ['extra']"
+        f"accumulation invariance: {what}: key structure differs; only in expected: -; only "
+        "in actual: ['extra']"
     ]
 
 

@@ -101,6 +101,17 @@ def _scale(grads: TensorDictBase) -> float:
     return out
 
 
+def _problem(
+    actual: TensorDictBase, expected: TensorDictBase, rtol: float, atol: float, what: str
+) -> str | None:
+    """The message for ``actual`` vs ``expected`` (a key-structure difference too), or None."""
+    try:
+        failures = close_failures(actual, expected, rtol=rtol, atol=atol, what=what)
+    except AssertionError as e:  # key structure differs
+        return str(e)
+    return report(what, failures, f" (rtol={rtol}, atol={atol})") if failures else None
+
+
 def _grad_failures(
     got: list[tuple[str, TensorDict]],
     ref: list[tuple[str, TensorDict]],
@@ -180,9 +191,9 @@ def _compare_grads(
                 problems.append(f"gradients at step {i} with k={k} vs k={ks[0]}: {p}")
             if check_metrics:
                 what = f"metrics of step {i} with k={k} vs k={ks[0]}"
-                failures = close_failures(metrics, ref_metrics, rtol=rtol, atol=atol, what=what)
-                if failures:
-                    problems.append(report(what, failures, f" (rtol={rtol}, atol={atol})"))
+                problem = _problem(metrics, ref_metrics, rtol, atol, what)
+                if problem is not None:
+                    problems.append(problem)
         if problems:
             raise AssertionError("accumulation invariance: " + "\n".join(problems))
         if i + 1 < len(seq):
@@ -269,17 +280,16 @@ def assert_accumulation_invariant(
         problems = []
         for k in ks[1:]:
             s, ms = run_watched(make_step(k), snapshot(state), seq, watch, f"k={k}")
-            what = f"state with k={k} vs k={ks[0]}"
-            failures = close_failures(s, ref_state, rtol=rtol, atol=atol, what=what)
-            if failures:
-                problems.append(report(what, failures, f" (rtol={rtol}, atol={atol})"))
+            problem = _problem(s, ref_state, rtol, atol, f"state with k={k} vs k={ks[0]}")
+            if problem is not None:
+                problems.append(problem)
             if not check_metrics:
                 continue
             for i, (m, m0) in enumerate(zip(ms, ref_metrics, strict=True)):
                 what = f"metrics of step {i} with k={k} vs k={ks[0]}"
-                failures = close_failures(m, m0, rtol=rtol, atol=atol, what=what)
-                if failures:
-                    problems.append(report(what, failures, f" (rtol={rtol}, atol={atol})"))
+                problem = _problem(m, m0, rtol, atol, what)
+                if problem is not None:
+                    problems.append(problem)
         if problems:
             raise AssertionError("accumulation invariance: " + "\n".join(problems))
     except AssertionError as e:
