@@ -552,6 +552,183 @@ def test_purestep_errors_are_the_builtins_they_replace() -> None:
     assert str(e) == "params.m.w is missing"  # not KeyError's quoted repr
 
 
+# --- apply_gradients: its own argument checks, whole messages -------------------------------
+
+
+def _apply_setup() -> tuple[TensorDict, dict[str, optim.Transform], TensorDict]:
+    """A one-role sgd state (lr 0.1, no momentum), its optimizers and all-ones grads."""
+    s = _setup(optim.sgd(0.1))
+    return s.state, s.opts, _grads(s.state)
+
+
+APPLY_TYPE_ERRORS: dict[str, tuple[Callable[..., object], str]] = {
+    "grads a dict": (
+        lambda s, o, g: ps.apply_gradients(s, g.to_dict(), o),
+        "apply_gradients: grads is a dict; expected a TensorDict {role: tree} as value_and_grad "
+        "returns",
+    ),
+    "optimizers a list": (
+        lambda s, o, g: ps.apply_gradients(s, g, list(o.values())),
+        "apply_gradients: optimizers is a list; expected a mapping {role: Transform}, e.g. "
+        "{'student': optim.adamw(1e-3)}",
+    ),
+    "roles an int": (
+        lambda s, o, g: ps.apply_gradients(s, g, o, roles=3),
+        "apply_gradients: roles must be a list of role names, got 3",
+    ),
+    "roles a string": (
+        lambda s, o, g: ps.apply_gradients(s, g, o, roles="student"),
+        "apply_gradients: roles must be a list of role names, got 'student'; use ['student']",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(APPLY_TYPE_ERRORS))
+def test_apply_gradients_refuses_arguments_of_the_wrong_type_saying_what_it_got(name: str) -> None:
+    """grads not a TensorDict, optimizers not a mapping, roles not a list: a TypeError whose
+    whole message names the call, the type given and what is expected (the ``[role]`` hint only
+    for a string)."""
+    call, message = APPLY_TYPE_ERRORS[name]
+    state, opts, grads = _apply_setup()
+    before = testing.snapshot(state)
+    with pytest.raises(TypeError) as info:
+        call(state, opts, grads)
+    assert str(info.value) == message
+    testing.assert_trees_equal(state, before, what="the state after the error")
+
+
+APPLY_ROLE_ERRORS: dict[str, tuple[Callable[..., object], str]] = {
+    "no optimizer": (
+        lambda s, o, g: ps.apply_gradients(s, g, o, roles=["critic"]),
+        "apply_gradients: no optimizer for role 'critic' (optimizers: ['student'])",
+    ),
+    "no grads": (
+        lambda s, o, g: ps.apply_gradients(s, g, {**o, "critic": optim.sgd(0.1)}, roles=["critic"]),
+        "apply_gradients: no grads for role 'critic' (grads has roles ['student'])",
+    ),
+    "no params": (
+        lambda s, o, g: ps.apply_gradients(
+            s, TensorDict({"critic": g["student"]}, []), {"critic": optim.sgd(0.1)}
+        ),
+        "apply_gradients: grads for role 'critic', but the state has no params.critic "
+        "(roles with params: ['student'])",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(APPLY_ROLE_ERRORS))
+def test_apply_gradients_names_the_role_it_cannot_update_in_message_and_attribute(
+    name: str,
+) -> None:
+    """A role without an optimizer, grads or params raises RoleError with ``.role`` set to it
+    and a message listing the roles there are; nothing is changed."""
+    call, message = APPLY_ROLE_ERRORS[name]
+    state, opts, grads = _apply_setup()
+    before = testing.snapshot(state)
+    with pytest.raises(errors.RoleError) as info:
+        call(state, opts, grads)
+    assert str(info.value) == message
+    assert info.value.role == "critic"
+    testing.assert_trees_equal(state, before, what="the state after the error")
+
+
+def test_apply_gradients_refuses_a_donated_state_before_looking_at_its_roles() -> None:
+    """A donated state is refused first (its buffers belong to the state that step returned),
+    even when its roles do not fit the grads either; the message names apply_gradients."""
+    state, opts, grads = _apply_setup()
+    ps.apply_gradients(state, grads, opts, donate=True)
+    with pytest.raises(errors.DonatedStateError) as info:
+        ps.apply_gradients(
+            state, TensorDict({"critic": grads["student"]}, []), {"critic": opts["student"]}
+        )
+    assert str(info.value).startswith(
+        "apply_gradients: this state was donated to apply_gradients(donate=True) (donate=True), "
+        "which updated its buffers in place"
+    ), str(info.value)
+
+
+def test_apply_gradients_state_errors_name_apply_gradients() -> None:
+    """A state that does not fit the optimizers raises a StateError whose message is prefixed
+    with apply_gradients (not another caller's name)."""
+    state, opts, grads = _apply_setup()
+    with pytest.raises(errors.StateError) as info:
+        ps.apply_gradients(state.exclude("opt_state"), grads, opts)
+    assert str(info.value) == (
+        "apply_gradients: the state has no 'opt_state' ({role: optimizer state}); it has "
+        "['params', 'rng', 'step']. Build states with purestep.init_state (and step.prepare "
+        "for the keys wrappers add)"
+    )
+
+
+def test_apply_gradients_is_pure_by_default_and_applies_the_sgd_formula() -> None:
+    """Without donate the input is neither changed nor marked donated: two calls on it give
+    the same new state, params - lr * grad, with ``step`` untouched."""
+    state, opts, grads = _apply_setup()
+    before = testing.snapshot(state)
+    a = ps.apply_gradients(state, grads, opts)
+    b = ps.apply_gradients(state, grads, opts)
+    assert not ps.step.is_donated(state)
+    testing.assert_trees_equal(state, before, what="the input after two calls")
+    testing.assert_trees_equal(a, b)
+    want = state["params", "student"].apply(lambda p: p - 0.1)
+    testing.assert_trees_equal(a["params", "student"], want)
+    assert int(a["step"]) == int(state["step"]) == 0
+
+
+def test_apply_gradients_needs_no_step_or_rng_counters() -> None:
+    """apply_gradients does not read ``step`` or ``rng``: a state without them is updated
+    exactly like the full state, donated or not."""
+    for donate in (False, True):
+        state, opts, grads = _apply_setup()
+        want = ps.apply_gradients(state.clone(), grads, opts)
+        got = ps.apply_gradients(state.exclude("step", "rng"), grads, opts, donate=donate)
+        assert sorted(got.keys()) == ["opt_state", "params"]
+        testing.assert_trees_equal(got, want.exclude("step", "rng"), what=f"donate={donate}")
+
+
+def test_a_donated_apply_gradients_refuses_params_sharing_memory() -> None:
+    """donate=True with two params that share memory is a StateError naming both (the donated
+    update would write that memory twice) and changes nothing; without donate the same state
+    is updated out of place."""
+    state, opts, grads = _apply_setup()
+    state["params", "student", "bias"] = state["params", "student", "weight"].view(-1)[:1]
+    before = testing.snapshot(state)
+    with pytest.raises(errors.StateError) as info:
+        ps.apply_gradients(state, grads, opts, donate=True)
+    assert str(info.value).startswith(
+        "apply_gradients: params.student.weight shares memory with params.student.bias, so a "
+        "donated step would update that memory twice."
+    ), str(info.value)
+    testing.assert_trees_equal(state, before, what="the state after the error")
+    assert not ps.step.is_donated(state)
+    out = ps.apply_gradients(state, grads, opts)
+    testing.assert_trees_equal(state, before, what="the state after a non-donated update")
+    testing.assert_trees_equal(
+        out["params", "student"], state["params", "student"].apply(lambda p: p - 0.1)
+    )
+
+
+def test_a_bound_role_is_updated_in_place_by_a_donated_apply_gradients_only() -> None:
+    """Params that are a module's own nn.Parameters (a bound role, as FSDP binds them) need
+    donate=True: without it a ValueError says so; with it the module's parameters are the
+    returned params, updated in place by the sgd formula."""
+    net = _net()
+    opts = {"student": optim.sgd(0.1)}
+    state = ps.init_state({"student": net}, opts, seed=0)
+    state["params", "student"] = TensorDict(dict(net.named_parameters()), [])
+    grads = _grads(state)
+    with pytest.raises(ValueError, match="bound to a module") as info:
+        ps.apply_gradients(state, grads, opts)
+    assert str(info.value) == (
+        "role 'student' is bound to a module (FSDP); its params are the module's own "
+        "parameters and are updated in place: build the step with donate=True"
+    )
+    w0 = net.weight.detach().clone()
+    out = ps.apply_gradients(state, grads, opts, donate=True)
+    assert out["params", "student", "weight"] is net.weight
+    torch.testing.assert_close(net.weight.detach(), w0 - 0.1, rtol=0, atol=1e-7)
+
+
 # --- donation: the mark costs nothing and never blocks the returned state -----------------
 
 
