@@ -729,6 +729,113 @@ def test_a_bound_role_is_updated_in_place_by_a_donated_apply_gradients_only() ->
     torch.testing.assert_close(net.weight.detach(), w0 - 0.1, rtol=0, atol=1e-7)
 
 
+def test_a_donated_apply_gradients_updates_in_place_and_shares_the_subtrees() -> None:
+    """donate=True returns a new top-level node holding the input's own subtrees and buffers
+    (no copies), updated in place by the sgd formula; the input is then marked donated."""
+    state, opts, grads = _apply_setup()
+    want = state["params", "student"].apply(lambda p: p - 0.1)
+    params, opt_state = state["params"], state["opt_state"]
+    weight = state["params", "student", "weight"]
+    out = ps.apply_gradients(state, grads, opts, donate=True)
+    assert out is not state and ps.step.is_donated(state) and not ps.step.is_donated(out)
+    assert out["params"] is params and out["opt_state"] is opt_state
+    assert out["params", "student", "weight"] is weight
+    testing.assert_trees_equal(out["params", "student"], want)
+
+
+def test_apply_gradients_names_the_role_whose_optimizer_failed() -> None:
+    """An optimizer's error (a negative scheduled lr, grads of the wrong shape) is re-raised
+    with its type and the role in front of its message; nothing is changed."""
+    opts = {"student": optim.sgd(lambda n: 0.1 if n < 1 else -1.0)}
+    state = ps.init_state({"student": _net()}, opts, seed=0)
+    grads = _grads(state)
+    state = ps.apply_gradients(state, grads, opts)
+    before = testing.snapshot(state)
+    with pytest.raises(errors.ScheduleError) as info:
+        ps.apply_gradients(state, grads, opts, donate=True)
+    assert str(info.value) == (
+        "role 'student': sgd: the learning rate at update 1 is -1.0; it must be finite and >= 0 "
+        "(check the schedule)"
+    )
+    grads["student", "bias"] = torch.ones(3)
+    with pytest.raises(ValueError, match="grads at bias") as wrong:
+        ps.apply_gradients(state, grads, opts)
+    assert (
+        str(wrong.value)
+        == "role 'student': grads at bias has shape (3,), but params has shape (1,)"
+    )
+    assert type(wrong.value) is ValueError
+    testing.assert_trees_equal(state, before, what="the state after the errors")
+    assert not ps.step.is_donated(state)
+
+
+def test_apply_gradients_on_a_state_edited_after_its_check_names_the_wrong_key() -> None:
+    """A checked state whose param is then replaced in place by one of another shape: the
+    optimizer's error becomes a StateError of apply_gradients naming both key paths."""
+    opts = {"student": optim.adamw(1e-2)}
+    state = ps.init_state({"student": _net()}, opts, seed=0)
+    grads = _grads(state)
+    state = ps.apply_gradients(state, grads, opts)  # its nodes are checked now
+    state["params", "student", "bias"] = torch.zeros(3)
+    with pytest.raises(errors.StateError) as info:
+        ps.apply_gradients(state, grads, opts)
+    assert str(info.value) == (
+        "apply_gradients: opt_state.student does not fit params.student (optimizer adamw): "
+        "opt_state.student.mu.bias, opt_state.student.nu.bias are a torch.float32 tensor of "
+        "shape (1,), expected a torch.float32 tensor of shape (3,) for params.student.bias. "
+        "params and opt_state must describe the same parameters: change them together, or "
+        "rebuild the state with init_state"
+    )
+    assert isinstance(info.value.__cause__, ValueError)
+
+
+def _two_roles() -> tuple[TensorDict, dict[str, optim.Transform], TensorDict]:
+    """Roles a and b (sgd, lr 0.1) and grads for both, b's bias grad of the wrong shape."""
+    opts = {"a": optim.sgd(0.1), "b": optim.sgd(0.1)}
+    state = ps.init_state({"a": _net(), "b": _net()}, opts, seed=0)
+    grads = TensorDict({r: state["params", r].apply(torch.ones_like) for r in "ab"}, [])
+    grads["b", "bias"] = torch.ones(3)
+    return state, opts, grads
+
+
+@pytest.mark.parametrize("donate", [False, True])
+def test_apply_gradients_failing_at_the_second_role_consumes_only_a_donated_state(
+    donate: bool,
+) -> None:
+    """Roles a then b, b's grads of the wrong shape: the error names b. Without donate the
+    state is unchanged and usable; donated, a was already updated in place, so the state is
+    marked as donated to a call that failed part-way."""
+    state, opts, grads = _two_roles()
+    before = testing.snapshot(state)
+    with pytest.raises(ValueError, match="grads at bias") as info:
+        ps.apply_gradients(state, grads, opts, roles=["a", "b"], donate=donate)
+    assert str(info.value) == "role 'b': grads at bias has shape (3,), but params has shape (1,)"
+    assert ps.step.is_donated(state) == donate
+    if not donate:
+        testing.assert_trees_equal(state, before, what="the state after the error")
+        return
+    with pytest.raises(errors.DonatedStateError) as used:
+        ps.apply_gradients(state, grads, opts, roles=["a"])
+    assert str(used.value).startswith(
+        "apply_gradients: this state was donated to an apply_gradients call that failed "
+        "part-way (donate=True)"
+    ), str(used.value)
+
+
+def test_a_donated_apply_gradients_failing_at_its_first_role_leaves_the_state_usable() -> None:
+    """The first role's optimizer checks its inputs before writing: when it fails, nothing
+    was updated, the donated state is not consumed and steps normally afterwards."""
+    state, opts, grads = _two_roles()
+    before = testing.snapshot(state)
+    with pytest.raises(ValueError, match="grads at bias") as info:
+        ps.apply_gradients(state, grads, opts, roles=["b", "a"], donate=True)
+    assert str(info.value) == "role 'b': grads at bias has shape (3,), but params has shape (1,)"
+    assert not ps.step.is_donated(state)
+    testing.assert_trees_equal(state, before, what="the state after the error")
+    out = ps.apply_gradients(state, grads, opts, roles=["a"], donate=True)
+    testing.assert_trees_equal(out["params", "a"], before["params", "a"].apply(lambda p: p - 0.1))
+
+
 # --- donation: the mark costs nothing and never blocks the returned state -----------------
 
 
