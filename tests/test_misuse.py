@@ -836,6 +836,118 @@ def test_a_donated_apply_gradients_failing_at_its_first_role_leaves_the_state_us
     testing.assert_trees_equal(out["params", "a"], before["params", "a"].apply(lambda p: p - 0.1))
 
 
+# --- train_step: its argument checks, whole messages ------------------------------------------
+
+
+def _sum_loss(p: TensorDictBase, b: TensorDictBase, key: torch.Tensor) -> Any:
+    return sum(t.sum() for t in tree.leaves(p["student"])) * b["x"].mean(), {}
+
+
+TRAIN_STEP_ERRORS: dict[str, tuple[dict[str, Any], type[Exception], str]] = {
+    "grad_fn an int": (
+        {"grad_fn": 3},
+        TypeError,
+        "train_step: grad_fn is a int, not callable; pass value_and_grad(loss_fn) (optionally "
+        "wrapped in accumulate)",
+    ),
+    "optimizers a list": (
+        {"optimizers": [optim.sgd(0.1)]},
+        TypeError,
+        "train_step: optimizers is a list; expected a mapping {role: Transform}, e.g. "
+        "{'student': optim.adamw(1e-3)}",
+    ),
+    "optimizers empty": (
+        {"optimizers": {}},
+        ValueError,
+        "train_step: optimizers is empty, so the step would update nothing while "
+        "state['step'] advances; pass {role: Transform} for the roles to train",
+    ),
+    "optimizer a string": (
+        {"optimizers": {"student": "sgd"}},
+        TypeError,
+        "optimizers['student'] is str, not a Transform",
+    ),
+    "every a list": (
+        {"every": [2]},
+        TypeError,
+        "train_step: every is a list; expected a mapping {role: N}",
+    ),
+    "every for another role": (
+        {"every": {"critic": 2}},
+        errors.RoleError,
+        "train_step: every['critic'] given, but there is no optimizer for it "
+        "(optimizers: ['student'])",
+    ),
+    "every True": (
+        {"every": {"student": True}},
+        TypeError,
+        "train_step: every['student'] must be an int N >= 1 (update on steps that are "
+        "multiples of N), got True",
+    ),
+    "every a float": (
+        {"every": {"student": 2.0}},
+        TypeError,
+        "train_step: every['student'] must be an int N >= 1 (update on steps that are "
+        "multiples of N), got 2.0",
+    ),
+    "every 0": (
+        {"every": {"student": 0}},
+        ValueError,
+        "train_step: every['student'] must be a positive int, got 0",
+    ),
+    "every -1": (
+        {"every": {"student": -1}},
+        ValueError,
+        "train_step: every['student'] must be a positive int, got -1",
+    ),
+    "donate 1": ({"donate": 1}, TypeError, "train_step: donate must be a bool, got 1"),
+    "grad_norm None": (
+        {"grad_norm": None},
+        TypeError,
+        "train_step: grad_norm must be a bool, got None",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(TRAIN_STEP_ERRORS))
+def test_train_step_refuses_bad_arguments_when_built_with_the_whole_message(name: str) -> None:
+    """Each wrong argument of train_step raises, when the step is built, the documented type
+    with a message naming the argument and the value given."""
+    change, exc, message = TRAIN_STEP_ERRORS[name]
+    kw: dict[str, Any] = {
+        "grad_fn": ps.value_and_grad(_sum_loss),
+        "optimizers": {"student": optim.sgd(0.1)},
+        **change,
+    }
+    with pytest.raises(exc) as info:
+        ps.train_step(kw.pop("grad_fn"), kw.pop("optimizers"), **kw)
+    assert type(info.value) is exc
+    assert str(info.value) == message
+    if exc is errors.RoleError:
+        assert info.value.role == "critic"
+
+
+def test_train_step_keeps_its_own_copy_of_the_arguments() -> None:
+    """The built step holds the grad function, a copy of optimizers and every (editing the
+    caller's dicts afterwards changes nothing) and the flags as given; defaults: every role
+    each step, no donation, the grad-norm metric on."""
+    gf = ps.value_and_grad(_sum_loss)
+    sgd = optim.sgd(0.1)
+    opts = {"student": sgd}
+    every = {"student": 2}
+    step = ps.train_step(gf, opts, every=every, donate=True, grad_norm=False)
+    opts["critic"] = optim.sgd(0.2)
+    every["student"] = 5
+    assert step.grad_fn is gf
+    assert list(step.optimizers) == ["student"] and step.optimizers["student"] is sgd
+    assert step.every == {"student": 2}
+    assert step.donate is True and step.grad_norm is False
+    plain = ps.train_step(gf, {"student": sgd})
+    assert plain.every == {} and plain.donate is False and plain.grad_norm is True
+    assert plain.due_roles(0) == plain.due_roles(7) == ["student"]
+    assert [step.due_roles(n) for n in range(5)] == [["student"], [], ["student"], [], ["student"]]
+
+
 # --- donation: the mark costs nothing and never blocks the returned state -----------------
 
 
