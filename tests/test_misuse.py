@@ -930,7 +930,7 @@ def test_train_step_refuses_bad_arguments_when_built_with_the_whole_message(name
 def test_train_step_keeps_its_own_copy_of_the_arguments() -> None:
     """The built step holds the grad function, a copy of optimizers and every (editing the
     caller's dicts afterwards changes nothing) and the flags as given; defaults: every role
-    each step, no donation, the grad-norm metric on."""
+    each step, no donation, the grad-norm metric on; every N=1 is allowed."""
     gf = ps.value_and_grad(_sum_loss)
     sgd = optim.sgd(0.1)
     opts = {"student": sgd}
@@ -945,6 +945,8 @@ def test_train_step_keeps_its_own_copy_of_the_arguments() -> None:
     plain = ps.train_step(gf, {"student": sgd})
     assert plain.every == {} and plain.donate is False and plain.grad_norm is True
     assert plain.due_roles(0) == plain.due_roles(7) == ["student"]
+    each = ps.train_step(gf, {"student": sgd}, every={"student": 1})  # 1 is the smallest N
+    assert each.every == {"student": 1} and each.due_roles(7) == ["student"]
     assert [step.due_roles(n) for n in range(5)] == [["student"], [], ["student"], [], ["student"]]
 
 
