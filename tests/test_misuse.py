@@ -552,6 +552,404 @@ def test_purestep_errors_are_the_builtins_they_replace() -> None:
     assert str(e) == "params.m.w is missing"  # not KeyError's quoted repr
 
 
+# --- apply_gradients: its own argument checks, whole messages -------------------------------
+
+
+def _apply_setup() -> tuple[TensorDict, dict[str, optim.Transform], TensorDict]:
+    """A one-role sgd state (lr 0.1, no momentum), its optimizers and all-ones grads."""
+    s = _setup(optim.sgd(0.1))
+    return s.state, s.opts, _grads(s.state)
+
+
+APPLY_TYPE_ERRORS: dict[str, tuple[Callable[..., object], str]] = {
+    "grads a dict": (
+        lambda s, o, g: ps.apply_gradients(s, g.to_dict(), o),
+        "apply_gradients: grads is a dict; expected a TensorDict {role: tree} as value_and_grad "
+        "returns",
+    ),
+    "optimizers a list": (
+        lambda s, o, g: ps.apply_gradients(s, g, list(o.values())),
+        "apply_gradients: optimizers is a list; expected a mapping {role: Transform}, e.g. "
+        "{'student': optim.adamw(1e-3)}",
+    ),
+    "roles an int": (
+        lambda s, o, g: ps.apply_gradients(s, g, o, roles=3),
+        "apply_gradients: roles must be a list of role names, got 3",
+    ),
+    "roles a string": (
+        lambda s, o, g: ps.apply_gradients(s, g, o, roles="student"),
+        "apply_gradients: roles must be a list of role names, got 'student'; use ['student']",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(APPLY_TYPE_ERRORS))
+def test_apply_gradients_refuses_arguments_of_the_wrong_type_saying_what_it_got(name: str) -> None:
+    """grads not a TensorDict, optimizers not a mapping, roles not a list: a TypeError whose
+    whole message names the call, the type given and what is expected (the ``[role]`` hint only
+    for a string)."""
+    call, message = APPLY_TYPE_ERRORS[name]
+    state, opts, grads = _apply_setup()
+    before = testing.snapshot(state)
+    with pytest.raises(TypeError) as info:
+        call(state, opts, grads)
+    assert str(info.value) == message
+    testing.assert_trees_equal(state, before, what="the state after the error")
+
+
+APPLY_ROLE_ERRORS: dict[str, tuple[Callable[..., object], str]] = {
+    "no optimizer": (
+        lambda s, o, g: ps.apply_gradients(s, g, o, roles=["critic"]),
+        "apply_gradients: no optimizer for role 'critic' (optimizers: ['student'])",
+    ),
+    "no grads": (
+        lambda s, o, g: ps.apply_gradients(s, g, {**o, "critic": optim.sgd(0.1)}, roles=["critic"]),
+        "apply_gradients: no grads for role 'critic' (grads has roles ['student'])",
+    ),
+    "no params": (
+        lambda s, o, g: ps.apply_gradients(
+            s, TensorDict({"critic": g["student"]}, []), {"critic": optim.sgd(0.1)}
+        ),
+        "apply_gradients: grads for role 'critic', but the state has no params.critic "
+        "(roles with params: ['student'])",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(APPLY_ROLE_ERRORS))
+def test_apply_gradients_names_the_role_it_cannot_update_in_message_and_attribute(
+    name: str,
+) -> None:
+    """A role without an optimizer, grads or params raises RoleError with ``.role`` set to it
+    and a message listing the roles there are; nothing is changed."""
+    call, message = APPLY_ROLE_ERRORS[name]
+    state, opts, grads = _apply_setup()
+    before = testing.snapshot(state)
+    with pytest.raises(errors.RoleError) as info:
+        call(state, opts, grads)
+    assert str(info.value) == message
+    assert info.value.role == "critic"
+    testing.assert_trees_equal(state, before, what="the state after the error")
+
+
+def test_apply_gradients_refuses_a_donated_state_before_looking_at_its_roles() -> None:
+    """A donated state is refused first (its buffers belong to the state that step returned),
+    even when its roles do not fit the grads either; the message names apply_gradients."""
+    state, opts, grads = _apply_setup()
+    ps.apply_gradients(state, grads, opts, donate=True)
+    with pytest.raises(errors.DonatedStateError) as info:
+        ps.apply_gradients(
+            state, TensorDict({"critic": grads["student"]}, []), {"critic": opts["student"]}
+        )
+    assert str(info.value).startswith(
+        "apply_gradients: this state was donated to apply_gradients(donate=True) (donate=True), "
+        "which updated its buffers in place"
+    ), str(info.value)
+
+
+def test_apply_gradients_state_errors_name_apply_gradients() -> None:
+    """A state that does not fit the optimizers raises a StateError whose message is prefixed
+    with apply_gradients (not another caller's name)."""
+    state, opts, grads = _apply_setup()
+    with pytest.raises(errors.StateError) as info:
+        ps.apply_gradients(state.exclude("opt_state"), grads, opts)
+    assert str(info.value) == (
+        "apply_gradients: the state has no 'opt_state' ({role: optimizer state}); it has "
+        "['params', 'rng', 'step']. Build states with purestep.init_state (and step.prepare "
+        "for the keys wrappers add)"
+    )
+
+
+def test_apply_gradients_is_pure_by_default_and_applies_the_sgd_formula() -> None:
+    """Without donate the input is neither changed nor marked donated: two calls on it give
+    the same new state, params - lr * grad, with ``step`` untouched."""
+    state, opts, grads = _apply_setup()
+    before = testing.snapshot(state)
+    a = ps.apply_gradients(state, grads, opts)
+    b = ps.apply_gradients(state, grads, opts)
+    assert not ps.step.is_donated(state)
+    testing.assert_trees_equal(state, before, what="the input after two calls")
+    testing.assert_trees_equal(a, b)
+    want = state["params", "student"].apply(lambda p: p - 0.1)
+    testing.assert_trees_equal(a["params", "student"], want)
+    assert int(a["step"]) == int(state["step"]) == 0
+
+
+def test_apply_gradients_needs_no_step_or_rng_counters() -> None:
+    """apply_gradients does not read ``step`` or ``rng``: a state without them is updated
+    exactly like the full state, donated or not."""
+    for donate in (False, True):
+        state, opts, grads = _apply_setup()
+        want = ps.apply_gradients(state.clone(), grads, opts)
+        got = ps.apply_gradients(state.exclude("step", "rng"), grads, opts, donate=donate)
+        assert sorted(got.keys()) == ["opt_state", "params"]
+        testing.assert_trees_equal(got, want.exclude("step", "rng"), what=f"donate={donate}")
+
+
+def test_a_donated_apply_gradients_refuses_params_sharing_memory() -> None:
+    """donate=True with two params that share memory is a StateError naming both (the donated
+    update would write that memory twice) and changes nothing; without donate the same state
+    is updated out of place."""
+    state, opts, grads = _apply_setup()
+    state["params", "student", "bias"] = state["params", "student", "weight"].view(-1)[:1]
+    before = testing.snapshot(state)
+    with pytest.raises(errors.StateError) as info:
+        ps.apply_gradients(state, grads, opts, donate=True)
+    assert str(info.value).startswith(
+        "apply_gradients: params.student.weight shares memory with params.student.bias, so a "
+        "donated step would update that memory twice."
+    ), str(info.value)
+    testing.assert_trees_equal(state, before, what="the state after the error")
+    assert not ps.step.is_donated(state)
+    out = ps.apply_gradients(state, grads, opts)
+    testing.assert_trees_equal(state, before, what="the state after a non-donated update")
+    testing.assert_trees_equal(
+        out["params", "student"], state["params", "student"].apply(lambda p: p - 0.1)
+    )
+
+
+def test_a_bound_role_is_updated_in_place_by_a_donated_apply_gradients_only() -> None:
+    """Params that are a module's own nn.Parameters (a bound role, as FSDP binds them) need
+    donate=True: without it a ValueError says so; with it the module's parameters are the
+    returned params, updated in place by the sgd formula."""
+    net = _net()
+    opts = {"student": optim.sgd(0.1)}
+    state = ps.init_state({"student": net}, opts, seed=0)
+    state["params", "student"] = TensorDict(dict(net.named_parameters()), [])
+    grads = _grads(state)
+    with pytest.raises(ValueError, match="bound to a module") as info:
+        ps.apply_gradients(state, grads, opts)
+    assert str(info.value) == (
+        "role 'student' is bound to a module (FSDP); its params are the module's own "
+        "parameters and are updated in place: build the step with donate=True"
+    )
+    w0 = net.weight.detach().clone()
+    out = ps.apply_gradients(state, grads, opts, donate=True)
+    assert out["params", "student", "weight"] is net.weight
+    torch.testing.assert_close(net.weight.detach(), w0 - 0.1, rtol=0, atol=1e-7)
+
+
+def test_a_donated_apply_gradients_updates_in_place_and_shares_the_subtrees() -> None:
+    """donate=True returns a new top-level node holding the input's own subtrees and buffers
+    (no copies), updated in place by the sgd formula; the input is then marked donated."""
+    state, opts, grads = _apply_setup()
+    want = state["params", "student"].apply(lambda p: p - 0.1)
+    params, opt_state = state["params"], state["opt_state"]
+    weight = state["params", "student", "weight"]
+    out = ps.apply_gradients(state, grads, opts, donate=True)
+    assert out is not state and ps.step.is_donated(state) and not ps.step.is_donated(out)
+    assert out["params"] is params and out["opt_state"] is opt_state
+    assert out["params", "student", "weight"] is weight
+    testing.assert_trees_equal(out["params", "student"], want)
+
+
+def test_apply_gradients_names_the_role_whose_optimizer_failed() -> None:
+    """An optimizer's error (a negative scheduled lr, grads of the wrong shape) is re-raised
+    with its type and the role in front of its message; nothing is changed."""
+    opts = {"student": optim.sgd(lambda n: 0.1 if n < 1 else -1.0)}
+    state = ps.init_state({"student": _net()}, opts, seed=0)
+    grads = _grads(state)
+    state = ps.apply_gradients(state, grads, opts)
+    before = testing.snapshot(state)
+    with pytest.raises(errors.ScheduleError) as info:
+        ps.apply_gradients(state, grads, opts, donate=True)
+    assert str(info.value) == (
+        "role 'student': sgd: the learning rate at update 1 is -1.0; it must be finite and >= 0 "
+        "(check the schedule)"
+    )
+    grads["student", "bias"] = torch.ones(3)
+    with pytest.raises(ValueError, match="grads at bias") as wrong:
+        ps.apply_gradients(state, grads, opts)
+    assert (
+        str(wrong.value)
+        == "role 'student': grads at bias has shape (3,), but params has shape (1,)"
+    )
+    assert type(wrong.value) is ValueError
+    testing.assert_trees_equal(state, before, what="the state after the errors")
+    assert not ps.step.is_donated(state)
+
+
+def test_apply_gradients_on_a_state_edited_after_its_check_names_the_wrong_key() -> None:
+    """A checked state whose param is then replaced in place by one of another shape: the
+    optimizer's error becomes a StateError of apply_gradients naming both key paths."""
+    opts = {"student": optim.adamw(1e-2)}
+    state = ps.init_state({"student": _net()}, opts, seed=0)
+    grads = _grads(state)
+    state = ps.apply_gradients(state, grads, opts)  # its nodes are checked now
+    state["params", "student", "bias"] = torch.zeros(3)
+    with pytest.raises(errors.StateError) as info:
+        ps.apply_gradients(state, grads, opts)
+    assert str(info.value) == (
+        "apply_gradients: opt_state.student does not fit params.student (optimizer adamw): "
+        "opt_state.student.mu.bias, opt_state.student.nu.bias are a torch.float32 tensor of "
+        "shape (1,), expected a torch.float32 tensor of shape (3,) for params.student.bias. "
+        "params and opt_state must describe the same parameters: change them together, or "
+        "rebuild the state with init_state"
+    )
+    assert isinstance(info.value.__cause__, ValueError)
+
+
+def _two_roles() -> tuple[TensorDict, dict[str, optim.Transform], TensorDict]:
+    """Roles a and b (sgd, lr 0.1) and grads for both, b's bias grad of the wrong shape."""
+    opts = {"a": optim.sgd(0.1), "b": optim.sgd(0.1)}
+    state = ps.init_state({"a": _net(), "b": _net()}, opts, seed=0)
+    grads = TensorDict({r: state["params", r].apply(torch.ones_like) for r in "ab"}, [])
+    grads["b", "bias"] = torch.ones(3)
+    return state, opts, grads
+
+
+@pytest.mark.parametrize("donate", [False, True])
+def test_apply_gradients_failing_at_the_second_role_consumes_only_a_donated_state(
+    donate: bool,
+) -> None:
+    """Roles a then b, b's grads of the wrong shape: the error names b. Without donate the
+    state is unchanged and usable; donated, a was already updated in place, so the state is
+    marked as donated to a call that failed part-way."""
+    state, opts, grads = _two_roles()
+    before = testing.snapshot(state)
+    with pytest.raises(ValueError, match="grads at bias") as info:
+        ps.apply_gradients(state, grads, opts, roles=["a", "b"], donate=donate)
+    assert str(info.value) == "role 'b': grads at bias has shape (3,), but params has shape (1,)"
+    assert ps.step.is_donated(state) == donate
+    if not donate:
+        testing.assert_trees_equal(state, before, what="the state after the error")
+        return
+    with pytest.raises(errors.DonatedStateError) as used:
+        ps.apply_gradients(state, grads, opts, roles=["a"])
+    assert str(used.value).startswith(
+        "apply_gradients: this state was donated to an apply_gradients call that failed "
+        "part-way (donate=True)"
+    ), str(used.value)
+
+
+def test_a_donated_apply_gradients_failing_at_its_first_role_leaves_the_state_usable() -> None:
+    """The first role's optimizer checks its inputs before writing: when it fails, nothing
+    was updated, the donated state is not consumed and steps normally afterwards."""
+    state, opts, grads = _two_roles()
+    before = testing.snapshot(state)
+    with pytest.raises(ValueError, match="grads at bias") as info:
+        ps.apply_gradients(state, grads, opts, roles=["b", "a"], donate=True)
+    assert str(info.value) == "role 'b': grads at bias has shape (3,), but params has shape (1,)"
+    assert not ps.step.is_donated(state)
+    testing.assert_trees_equal(state, before, what="the state after the error")
+    out = ps.apply_gradients(state, grads, opts, roles=["a"], donate=True)
+    testing.assert_trees_equal(out["params", "a"], before["params", "a"].apply(lambda p: p - 0.1))
+
+
+# --- train_step: its argument checks, whole messages ------------------------------------------
+
+
+def _sum_loss(p: TensorDictBase, b: TensorDictBase, key: torch.Tensor) -> Any:
+    return sum(t.sum() for t in tree.leaves(p["student"])) * b["x"].mean(), {}
+
+
+TRAIN_STEP_ERRORS: dict[str, tuple[dict[str, Any], type[Exception], str]] = {
+    "grad_fn an int": (
+        {"grad_fn": 3},
+        TypeError,
+        "train_step: grad_fn is a int, not callable; pass value_and_grad(loss_fn) (optionally "
+        "wrapped in accumulate)",
+    ),
+    "optimizers a list": (
+        {"optimizers": [optim.sgd(0.1)]},
+        TypeError,
+        "train_step: optimizers is a list; expected a mapping {role: Transform}, e.g. "
+        "{'student': optim.adamw(1e-3)}",
+    ),
+    "optimizers empty": (
+        {"optimizers": {}},
+        ValueError,
+        "train_step: optimizers is empty, so the step would update nothing while "
+        "state['step'] advances; pass {role: Transform} for the roles to train",
+    ),
+    "optimizer a string": (
+        {"optimizers": {"student": "sgd"}},
+        TypeError,
+        "optimizers['student'] is str, not a Transform",
+    ),
+    "every a list": (
+        {"every": [2]},
+        TypeError,
+        "train_step: every is a list; expected a mapping {role: N}",
+    ),
+    "every for another role": (
+        {"every": {"critic": 2}},
+        errors.RoleError,
+        "train_step: every['critic'] given, but there is no optimizer for it "
+        "(optimizers: ['student'])",
+    ),
+    "every True": (
+        {"every": {"student": True}},
+        TypeError,
+        "train_step: every['student'] must be an int N >= 1 (update on steps that are "
+        "multiples of N), got True",
+    ),
+    "every a float": (
+        {"every": {"student": 2.0}},
+        TypeError,
+        "train_step: every['student'] must be an int N >= 1 (update on steps that are "
+        "multiples of N), got 2.0",
+    ),
+    "every 0": (
+        {"every": {"student": 0}},
+        ValueError,
+        "train_step: every['student'] must be a positive int, got 0",
+    ),
+    "every -1": (
+        {"every": {"student": -1}},
+        ValueError,
+        "train_step: every['student'] must be a positive int, got -1",
+    ),
+    "donate 1": ({"donate": 1}, TypeError, "train_step: donate must be a bool, got 1"),
+    "grad_norm None": (
+        {"grad_norm": None},
+        TypeError,
+        "train_step: grad_norm must be a bool, got None",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(TRAIN_STEP_ERRORS))
+def test_train_step_refuses_bad_arguments_when_built_with_the_whole_message(name: str) -> None:
+    """Each wrong argument of train_step raises, when the step is built, the documented type
+    with a message naming the argument and the value given."""
+    change, exc, message = TRAIN_STEP_ERRORS[name]
+    kw: dict[str, Any] = {
+        "grad_fn": ps.value_and_grad(_sum_loss),
+        "optimizers": {"student": optim.sgd(0.1)},
+        **change,
+    }
+    with pytest.raises(exc) as info:
+        ps.train_step(kw.pop("grad_fn"), kw.pop("optimizers"), **kw)
+    assert type(info.value) is exc
+    assert str(info.value) == message
+    if exc is errors.RoleError:
+        assert info.value.role == "critic"
+
+
+def test_train_step_keeps_its_own_copy_of_the_arguments() -> None:
+    """The built step holds the grad function, a copy of optimizers and every (editing the
+    caller's dicts afterwards changes nothing) and the flags as given; defaults: every role
+    each step, no donation, the grad-norm metric on; every N=1 is allowed."""
+    gf = ps.value_and_grad(_sum_loss)
+    sgd = optim.sgd(0.1)
+    opts = {"student": sgd}
+    every = {"student": 2}
+    step = ps.train_step(gf, opts, every=every, donate=True, grad_norm=False)
+    opts["critic"] = optim.sgd(0.2)
+    every["student"] = 5
+    assert step.grad_fn is gf
+    assert list(step.optimizers) == ["student"] and step.optimizers["student"] is sgd
+    assert step.every == {"student": 2}
+    assert step.donate is True and step.grad_norm is False
+    plain = ps.train_step(gf, {"student": sgd})
+    assert plain.every == {} and plain.donate is False and plain.grad_norm is True
+    assert plain.due_roles(0) == plain.due_roles(7) == ["student"]
+    each = ps.train_step(gf, {"student": sgd}, every={"student": 1})  # 1 is the smallest N
+    assert each.every == {"student": 1} and each.due_roles(7) == ["student"]
+    assert [step.due_roles(n) for n in range(5)] == [["student"], [], ["student"], [], ["student"]]
+
+
 # --- donation: the mark costs nothing and never blocks the returned state -----------------
 
 

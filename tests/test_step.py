@@ -421,20 +421,24 @@ def test_nonfinite_steps_leave_params_opt_state_and_ema_unchanged(pattern: list[
             assert int(state["skip", "consecutive"]) == consecutive
 
 
-def test_too_many_consecutive_nonfinite_steps_raise_naming_the_count() -> None:
-    """max_consecutive=2: the third consecutive skip raises NonFiniteError."""
+@pytest.mark.parametrize("donate", [False, True])
+def test_too_many_consecutive_nonfinite_steps_raise_naming_the_count(donate: bool) -> None:
+    """max_consecutive=2: the third consecutive skip raises NonFiniteError, donated or not."""
     net = _mlp(0)
     opt = {"student": optim.sgd(0.1)}
     step = ps.skip_nonfinite(
-        ps.train_step(ps.value_and_grad(_nan_when()(net)), opt), max_consecutive=2
+        ps.train_step(ps.value_and_grad(_nan_when()(net)), opt, donate=donate), max_consecutive=2
     )
     state = step.prepare(ps.init_state({"student": net}, opt, seed=0))
     b = _batch(0, 4)
     b["bad"] = torch.full((4,), float("nan"))
     state, _ = step(state, b)
     state, _ = step(state, b)
-    with pytest.raises(ps.NonFiniteError, match="3 consecutive"):
+    with pytest.raises(ps.NonFiniteError) as info:
         step(state, b)
+    assert str(info.value) == (
+        "3 consecutive steps with a non-finite loss or gradient (max_consecutive=2), last at step 2"
+    )
 
 
 def test_skip_nonfinite_is_donation_safe() -> None:
