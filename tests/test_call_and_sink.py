@@ -199,3 +199,46 @@ def test_accumulate_through_a_wrapper_that_rebuilds_params_each_call_sums_every_
         got, _ = ps.accumulate(rebuilding, k)(params, batch, torch.tensor(0), roles=["s"])
         for key in want.keys(True, True):
             assert torch.equal(got[key], want[key]), (k, key)
+
+
+class Counting(nn.Module):
+    """Counts its forwards in a buffer it reassigns (``self.calls = self.calls + 1``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(2, 2)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls = self.calls + 1
+        return self.lin(x) * self.calls  # type: ignore[no-any-return]
+
+
+def test_a_buffer_reassigned_inside_a_call_scope_is_written_into_the_tree_at_close() -> None:
+    """In a call_scope the module holds the reassigned buffer until the scope closes; then it
+    is written into the tree and the module gets its own buffer back."""
+    net, x = Counting(), torch.ones(1, 2)
+    td = TensorDict({"calls": torch.tensor(5.0)}, [])
+    with ps.call_scope():
+        out = ps.call(net, td, x)
+        assert float(net.calls) == 6.0 and float(td["calls"]) == 5.0  # held, not yet written
+    assert torch.equal(out, net.lin(x) * 6)
+    assert float(td["calls"]) == 6.0
+    assert float(net.calls) == 0.0 and net._buffers["calls"] is net.calls
+
+
+def test_a_second_tree_in_one_call_scope_gets_its_reassigned_buffer_when_its_call_returns() -> None:
+    """A second call of the module in the scope with another tree's tensors runs with those,
+    writes the buffer it reassigned into that tree on return, and gives the slot back to the
+    first call's tensors; the first tree gets its buffer when the scope closes."""
+    net, x = Counting(), torch.ones(1, 2)
+    first = TensorDict({"calls": torch.tensor(5.0)}, [])
+    second = TensorDict({"calls": torch.tensor(10.0)}, [])
+    with ps.call_scope():
+        a = ps.call(net, first, x)
+        b = ps.call(net, second, x)
+        assert float(second["calls"]) == 11.0  # written on return
+        assert float(net.calls) == 6.0 and float(first["calls"]) == 5.0  # the first call's
+    assert torch.equal(a, net.lin(x) * 6) and torch.equal(b, net.lin(x) * 11)
+    assert (float(first["calls"]), float(second["calls"])) == (6.0, 11.0)
+    assert float(net.calls) == 0.0
