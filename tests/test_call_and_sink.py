@@ -242,3 +242,52 @@ def test_a_second_tree_in_one_call_scope_gets_its_reassigned_buffer_when_its_cal
     assert torch.equal(a, net.lin(x) * 6) and torch.equal(b, net.lin(x) * 11)
     assert (float(first["calls"]), float(second["calls"])) == (6.0, 11.0)
     assert float(net.calls) == 0.0
+
+
+class Scaled(nn.Module):
+    """A linear layer and dropout whose forward takes a keyword argument."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x: torch.Tensor, *, scale: float = 1.0) -> torch.Tensor:
+        return self.drop(self.lin(x)) * scale  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("own", [False, True], ids=["tree", "own_parameters"])
+def test_call_passes_positional_and_keyword_arguments_with_and_without_a_key(own: bool) -> None:
+    """call forwards *args and **kwargs to the module, keyed or not, for a tree of tensors and
+    for the module's own nn.Parameters (a bound role, run as it is); a key makes dropout a
+    function of the key."""
+    net, x = Scaled(), torch.ones(8, 4)
+    params = TensorDict(dict(net.named_parameters()), []) if own else ps.params_of("m", net)
+    net.eval()
+    assert torch.equal(ps.call(net, params, x, scale=3.0), net.lin(x) * 3.0)
+    net.train()
+    a = ps.call(net, params, x, key=ps.rng.key(1), scale=3.0)
+    b = ps.call(net, params, x, key=ps.rng.key(1), scale=3.0)
+    c = ps.call(net, params, x, key=ps.rng.key(2), scale=3.0)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    kept = a != 0
+    assert bool(kept.any()) and not bool(kept.all())
+    assert torch.equal(a[kept], (net.lin(x) * 6.0)[kept])  # dropout(0.5) keeps x2, times scale
+
+
+def test_recording_modules_snapshots_each_module_once_before_its_first_call() -> None:
+    """Every module call runs inside the block is recorded under its own id, with its tensors
+    as they were at its first call (later changes do not replace the snapshot)."""
+    a, b = nn.Linear(2, 2), nn.Linear(2, 2)
+    x = torch.ones(1, 2)
+    with ps.step.recording_modules() as seen:
+        ps.call(a, ps.params_of("a", a), x)
+        before = a.weight.detach().clone()
+        with torch.no_grad():
+            a.weight.add_(1.0)
+        ps.call(a, ps.params_of("a", a), x)
+        ps.call(b, ps.params_of("b", b), x)
+    assert sorted(seen) == sorted([id(a), id(b)])
+    assert seen[id(a)][0] is a and seen[id(b)][0] is b
+    assert torch.equal(seen[id(a)][1][("weight",)], before)
+    assert torch.equal(seen[id(b)][1][("bias",)], b.bias.detach())

@@ -597,13 +597,14 @@ def test_a_key_of_the_wrong_dtype_shape_device_or_type_is_refused_naming_what_it
 def test_a_keyed_cpu_call_leaves_a_gpu_whose_cuda_is_not_initialised_alone(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """With a GPU present but CUDA not initialised (a CPU job on a GPU machine), call(key=)
+    """With one GPU present but CUDA not initialised (a CPU job on a GPU machine), call(key=)
     forks only the CPU generator: it never initialises CUDA (no CUDA context is created)."""
 
     def lazy_init() -> None:
         raise AssertionError("call(key=) initialised CUDA")
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
     monkeypatch.setattr(torch.cuda, "_lazy_init", lazy_init)
     net = Dropping()
