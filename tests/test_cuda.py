@@ -393,12 +393,15 @@ def _assert_keyed_dropout(net: nn.Module, params: TensorDictBase, x: torch.Tenso
 
 def test_keyed_call_seeds_and_restores_the_cuda_generator() -> None:
     """call(..., key=) with CUDA in use: dropout is a function of the key and torch's CUDA and
-    CPU generators are restored, for CUDA params, CPU params and an empty params tree."""
+    CPU generators are restored, for CUDA params, the module's own parameters, CPU params and an
+    empty params tree."""
     torch.manual_seed(0)
     net = _Dropping().to(DEV)
     x = torch.ones(64, 32, device=DEV)
     _assert_keyed_dropout(net, ps.params_of("m", net), x)  # CUDA params
     _assert_keyed_dropout(net, TensorDict({}, []), x)  # no params given: the module's own
+    own = TensorDict(dict(net.named_parameters()), [])  # its own nn.Parameters: run as it is
+    _assert_keyed_dropout(net, own, x)
     cpu_net = _Dropping()
     _assert_keyed_dropout(cpu_net, ps.params_of("m", cpu_net), x.cpu())  # CPU params
 
