@@ -227,6 +227,18 @@ def test_a_buffer_reassigned_inside_a_call_scope_is_written_into_the_tree_at_clo
     assert float(net.calls) == 0.0 and net._buffers["calls"] is net.calls
 
 
+def test_a_module_first_called_after_another_in_a_call_scope_gets_its_buffer_written() -> None:
+    """The slots of a module first called after another one in the scope are held too, and the
+    buffer it reassigned is written into its own tree when the scope closes."""
+    other, net, x = nn.Linear(2, 2), Counting(), torch.ones(1, 2)
+    td = TensorDict({"calls": torch.tensor(5.0)}, [])
+    with ps.call_scope():
+        ps.call(other, ps.params_of("o", other), x)
+        out = ps.call(net, td, x)
+    assert torch.equal(out, net.lin(x) * 6)
+    assert float(td["calls"]) == 6.0 and float(net.calls) == 0.0
+
+
 def test_a_second_tree_in_one_call_scope_gets_its_reassigned_buffer_when_its_call_returns() -> None:
     """A second call of the module in the scope with another tree's tensors runs with those,
     writes the buffer it reassigned into that tree on return, and gives the slot back to the
