@@ -199,3 +199,107 @@ def test_accumulate_through_a_wrapper_that_rebuilds_params_each_call_sums_every_
         got, _ = ps.accumulate(rebuilding, k)(params, batch, torch.tensor(0), roles=["s"])
         for key in want.keys(True, True):
             assert torch.equal(got[key], want[key]), (k, key)
+
+
+class Counting(nn.Module):
+    """Counts its forwards in a buffer it reassigns (``self.calls = self.calls + 1``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(2, 2)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls = self.calls + 1
+        return self.lin(x) * self.calls  # type: ignore[no-any-return]
+
+
+def test_a_buffer_reassigned_inside_a_call_scope_is_written_into_the_tree_at_close() -> None:
+    """In a call_scope the module holds the reassigned buffer until the scope closes; then it
+    is written into the tree and the module gets its own buffer back."""
+    net, x = Counting(), torch.ones(1, 2)
+    td = TensorDict({"calls": torch.tensor(5.0)}, [])
+    with ps.call_scope():
+        out = ps.call(net, td, x)
+        assert float(net.calls) == 6.0 and float(td["calls"]) == 5.0  # held, not yet written
+    assert torch.equal(out, net.lin(x) * 6)
+    assert float(td["calls"]) == 6.0
+    assert float(net.calls) == 0.0 and net._buffers["calls"] is net.calls
+
+
+def test_a_module_first_called_after_another_in_a_call_scope_gets_its_buffer_written() -> None:
+    """The slots of a module first called after another one in the scope are held too, and the
+    buffer it reassigned is written into its own tree when the scope closes."""
+    other, net, x = nn.Linear(2, 2), Counting(), torch.ones(1, 2)
+    td = TensorDict({"calls": torch.tensor(5.0)}, [])
+    with ps.call_scope():
+        ps.call(other, ps.params_of("o", other), x)
+        out = ps.call(net, td, x)
+    assert torch.equal(out, net.lin(x) * 6)
+    assert float(td["calls"]) == 6.0 and float(net.calls) == 0.0
+
+
+def test_a_second_tree_in_one_call_scope_gets_its_reassigned_buffer_when_its_call_returns() -> None:
+    """A second call of the module in the scope with another tree's tensors runs with those,
+    writes the buffer it reassigned into that tree on return, and gives the slot back to the
+    first call's tensors; the first tree gets its buffer when the scope closes."""
+    net, x = Counting(), torch.ones(1, 2)
+    first = TensorDict({"calls": torch.tensor(5.0)}, [])
+    second = TensorDict({"calls": torch.tensor(10.0)}, [])
+    with ps.call_scope():
+        a = ps.call(net, first, x)
+        b = ps.call(net, second, x)
+        assert float(second["calls"]) == 11.0  # written on return
+        assert float(net.calls) == 6.0 and float(first["calls"]) == 5.0  # the first call's
+    assert torch.equal(a, net.lin(x) * 6) and torch.equal(b, net.lin(x) * 11)
+    assert (float(first["calls"]), float(second["calls"])) == (6.0, 11.0)
+    assert float(net.calls) == 0.0
+
+
+class Scaled(nn.Module):
+    """A linear layer and dropout whose forward takes a keyword argument."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x: torch.Tensor, *, scale: float = 1.0) -> torch.Tensor:
+        return self.drop(self.lin(x)) * scale  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("own", [False, True], ids=["tree", "own_parameters"])
+def test_call_passes_positional_and_keyword_arguments_with_and_without_a_key(own: bool) -> None:
+    """call forwards *args and **kwargs to the module, keyed or not, for a tree of tensors and
+    for the module's own nn.Parameters (a bound role, run as it is); a key makes dropout a
+    function of the key."""
+    net, x = Scaled(), torch.ones(8, 4)
+    params = TensorDict(dict(net.named_parameters()), []) if own else ps.params_of("m", net)
+    net.eval()
+    assert torch.equal(ps.call(net, params, x, scale=3.0), net.lin(x) * 3.0)
+    net.train()
+    a = ps.call(net, params, x, key=ps.rng.key(1), scale=3.0)
+    b = ps.call(net, params, x, key=ps.rng.key(1), scale=3.0)
+    c = ps.call(net, params, x, key=ps.rng.key(2), scale=3.0)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    kept = a != 0
+    assert bool(kept.any()) and not bool(kept.all())
+    assert torch.equal(a[kept], (net.lin(x) * 6.0)[kept])  # dropout(0.5) keeps x2, times scale
+
+
+def test_recording_modules_snapshots_each_module_once_before_its_first_call() -> None:
+    """Every module call runs inside the block is recorded under its own id, with its tensors
+    as they were at its first call (later changes do not replace the snapshot)."""
+    a, b = nn.Linear(2, 2), nn.Linear(2, 2)
+    x = torch.ones(1, 2)
+    with ps.step.recording_modules() as seen:
+        ps.call(a, ps.params_of("a", a), x)
+        before = a.weight.detach().clone()
+        with torch.no_grad():
+            a.weight.add_(1.0)
+        ps.call(a, ps.params_of("a", a), x)
+        ps.call(b, ps.params_of("b", b), x)
+    assert sorted(seen) == sorted([id(a), id(b)])
+    assert seen[id(a)][0] is a and seen[id(b)][0] is b
+    assert torch.equal(seen[id(a)][1][("weight",)], before)
+    assert torch.equal(seen[id(b)][1][("bias",)], b.bias.detach())

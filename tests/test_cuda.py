@@ -367,6 +367,56 @@ def test_train_step_equals_the_imperative_loop_on_cuda(k: int, autocast: bool) -
     assert state["rng"].device.type == "cpu" and state["step"].device.type == "cpu"
 
 
+class _Dropping(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(32, 32)
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.lin(x))  # type: ignore[no-any-return]
+
+
+def _assert_keyed_dropout(net: nn.Module, params: TensorDictBase, x: torch.Tensor) -> None:
+    """Same key, same mask; other key, other mask; torch's generators as they were after."""
+    gens = [torch.cuda.get_rng_state(d) for d in range(torch.cuda.device_count())]
+    cpu = torch.get_rng_state()
+    a = ps.call(net, params, x, key=rng.key(1))
+    b = ps.call(net, params, x, key=rng.key(1))
+    c = ps.call(net, params, x, key=rng.key(2))
+    assert bool((a == 0).any()), "dropout dropped nothing"
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    for d, g in enumerate(gens):
+        assert torch.equal(torch.cuda.get_rng_state(d), g), f"cuda:{d}'s generator moved"
+    assert torch.equal(torch.get_rng_state(), cpu), "the CPU generator moved"
+
+
+def test_keyed_call_seeds_and_restores_the_cuda_generator() -> None:
+    """call(..., key=) with CUDA in use: dropout is a function of the key and torch's CUDA and
+    CPU generators are restored, for CUDA params, the module's own parameters, CPU params and an
+    empty params tree."""
+    torch.manual_seed(0)
+    net = _Dropping().to(DEV)
+    x = torch.ones(64, 32, device=DEV)
+    _assert_keyed_dropout(net, ps.params_of("m", net), x)  # CUDA params
+    _assert_keyed_dropout(net, TensorDict({}, []), x)  # no params given: the module's own
+    own = TensorDict(dict(net.named_parameters()), [])  # its own nn.Parameters: run as it is
+    _assert_keyed_dropout(net, own, x)
+    cpu_net = _Dropping()
+    _assert_keyed_dropout(cpu_net, ps.params_of("m", cpu_net), x.cpu())  # CPU params
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_keyed_call_on_the_second_gpu_seeds_and_restores_that_gpus_generator() -> None:
+    """Params on cuda:1 while cuda:0 is current: cuda:1's generator is the one keyed (and
+    restored), so the dropout masks drawn there are a function of the key."""
+    torch.manual_seed(0)
+    dev = torch.device("cuda", 1)
+    assert torch.cuda.current_device() == 0
+    net = _Dropping().to(dev)
+    _assert_keyed_dropout(net, ps.params_of("m", net), torch.ones(64, 32, device=dev))
+
+
 def _readme_block() -> str:
     """The code block of README.md's "The pieces" section, verbatim."""
     text = (ROOT / "README.md").read_text()

@@ -324,7 +324,8 @@ def task_two_roles(cfg: Cfg, steps: int) -> TensorDict:
 
 
 def task_detached_call(cfg: Cfg) -> dict[str, Any]:
-    """Call a bound module with its params, with detached views (no_grad), and with bad inputs."""
+    """Call a bound module with its params, with detached views (no_grad), and with bad inputs
+    (grad enabled, a copy that shares no memory, a misspelt key)."""
     net, _, state = bound_state(cfg)
     params = state["params", "student"]
     x, t = torch.ones(4, cfg.d), torch.full((4,), 0.5)
@@ -332,7 +333,8 @@ def task_detached_call(cfg: Cfg) -> dict[str, Any]:
         own = ps.call(net, params, x, t)
         detached = ps.call(net, params.detach(), x, t)
     errors = []
-    for grad, p in [(True, params.detach()), (False, params.clone())]:
+    renamed = TensorDict({"inp": {"wieght": params["inp", "weight"].detach()}}, [])
+    for grad, p in [(True, params.detach()), (False, params.clone()), (False, renamed)]:
         try:
             with torch.set_grad_enabled(grad):
                 ps.call(net, p, x, t)
@@ -499,13 +501,20 @@ def test_a_bound_role_that_is_not_due_gets_no_stale_gradient(pool: WorkerPool) -
 
 def test_detached_bound_params_run_the_module_itself_under_no_grad(pool: WorkerPool) -> None:
     """call() with detached views of bound params (no_grad) runs the module with its own
-    sharded params and leaves the binding intact; with grad, or with other weights, it raises."""
+    sharded params and leaves the binding intact; with grad, with other weights, or with a
+    key that names no parameter, it raises, saying which."""
     for res in pool.run(task_detached_call, Cfg()):
         assert res["equal"]
         assert res["still_aliased"]
-        assert len(res["errors"]) == 2
-        assert "torch.no_grad()" in res["errors"][0]
-        assert "does not share memory" in res["errors"][1]
+        assert res["errors"] == [
+            "call: FSDPNet got DTensor params that are not its bound parameters; an "
+            "FSDP-sharded module always runs with its own parameters. To stop gradients into "
+            "them, call it under torch.no_grad() (detached views are fine there)",
+            "call: param 'inp.weight' is a DTensor that does not share memory with FSDPNet's "
+            "own (FSDP-sharded) parameter; an FSDP module always runs with its own parameters: "
+            "copy other weights (e.g. an EMA) into them first",
+            "call: FSDPNet has no parameter 'inp.wieght'",
+        ]
 
 
 def test_dmd2_with_bound_student_and_critic_equals_single_process(pool: WorkerPool) -> None:

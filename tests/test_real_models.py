@@ -84,6 +84,62 @@ def test_call_fills_every_aliased_slot_and_restores_the_tie() -> None:
     assert net.lm_head.weight is net.wte.weight and isinstance(net.wte.weight, nn.Parameter)
 
 
+def _generic_params(kind: str, td: TensorDict) -> Any:
+    """``td`` as a ``TensorDictParams`` (not a plain TensorDict) or as it is (``kind`` names which)."""
+    from tensordict import TensorDictParams
+
+    return TensorDictParams(td, no_convert=True) if kind == "params" else td
+
+
+@pytest.mark.parametrize("given", ["wte", "lm_head"])
+@pytest.mark.parametrize("kind", ["params", "hooked"])
+def test_the_generic_path_fills_every_tied_slot_like_the_modules_own_forward(
+    kind: str, given: str
+) -> None:
+    """Params that take the generic path (a ``TensorDictParams``, or any tree while a module
+    parameter-registration hook is set) fill both tied slots, under either key of the tie:
+    output and gradients equal the module's own forward with that weight and the plain path."""
+    torch.manual_seed(5)
+    net = TiedLM()
+    ref = copy.deepcopy(net)
+    w = torch.randn(11, 6)
+    with torch.no_grad():
+        ref.wte.weight.copy_(w)
+    ids = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]])
+    ref(ids).pow(2).sum().backward()
+
+    def run(generic: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        leaves = [w.clone().requires_grad_(), net.mix.weight.detach().clone().requires_grad_()]
+        td = TensorDict({given: {"weight": leaves[0]}, "mix": {"weight": leaves[1]}}, [])
+        seen: list[bool] = []
+        pre = net.lm_head.register_forward_pre_hook(
+            lambda m, a: seen.append(m.weight is leaves[0] and net.wte.weight is leaves[0])
+        )
+        hook = (
+            nn.modules.module.register_module_parameter_registration_hook(lambda m, n, p: None)
+            if generic and kind == "hooked"
+            else None
+        )
+        try:
+            out = ps.call(net, _generic_params(kind, td) if generic else td, ids)
+        finally:
+            if hook is not None:
+                hook.remove()
+            pre.remove()
+        assert seen == [True], "a tied slot did not hold the given tensor"
+        out.pow(2).sum().backward()
+        return out.detach(), [t.grad for t in leaves]
+
+    out, grads = run(generic=True)
+    assert torch.equal(out, ref(ids).detach())
+    assert torch.equal(grads[0], ref.wte.weight.grad)  # both uses of the tie summed
+    assert torch.equal(grads[1], ref.mix.weight.grad)
+    plain_out, plain_grads = run(generic=False)
+    assert torch.equal(out, plain_out) and all(map(torch.equal, grads, plain_grads))
+    assert net.lm_head.weight is net.wte.weight and isinstance(net.wte.weight, nn.Parameter)
+    assert not torch.equal(net.wte.weight, w)  # the module's own weight is back
+
+
 def test_giving_a_tied_tensor_twice_is_an_error_naming_both_paths() -> None:
     """Two keys for one tied parameter is ambiguous: the error names both and the canonical key."""
     net = TiedLM()
@@ -507,6 +563,55 @@ def test_a_non_key_key_argument_is_refused_with_a_hint() -> None:
         ps.call(
             nn.Linear(2, 2), ps.params_of("m", nn.Linear(2, 2)), torch.ones(1, 2), key=torch.ones(3)
         )
+
+
+_KEY_HINT = (
+    "call: key= is the PRNG key that seeds module randomness (a 0-dim int64 CPU tensor from "
+    "purestep.rng), got {}. To pass an argument named 'key' to the module's forward "
+    "(nn.MultiheadAttention), pass it positionally"
+)
+
+
+@pytest.mark.parametrize(
+    ("key", "what"),
+    [
+        (torch.tensor(3.0), "a torch.float32 tensor of shape () on cpu"),
+        (torch.tensor([3, 4]), "a torch.int64 tensor of shape (2,) on cpu"),
+        (torch.tensor(3, device="meta"), "a torch.int64 tensor of shape () on meta"),
+        (3, "int"),
+    ],
+    ids=["float", "shape", "meta", "int"],
+)
+def test_a_key_of_the_wrong_dtype_shape_device_or_type_is_refused_naming_what_it_got(
+    key: Any, what: str
+) -> None:
+    """Each way a key= can be wrong on its own is refused; the message says what was given."""
+    lin = nn.Linear(2, 2)
+    with pytest.raises(TypeError) as info:
+        ps.call(lin, ps.params_of("m", lin), torch.ones(1, 2), key=key)
+    assert str(info.value) == _KEY_HINT.format(what)
+    out = ps.call(lin, ps.params_of("m", lin), torch.ones(1, 2), key=ps.rng.key(3))
+    assert torch.equal(out, lin(torch.ones(1, 2)))  # a real key is accepted
+
+
+def test_a_keyed_cpu_call_leaves_a_gpu_whose_cuda_is_not_initialised_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With one GPU present but CUDA not initialised (a CPU job on a GPU machine), call(key=)
+    forks only the CPU generator: it never initialises CUDA (no CUDA context is created)."""
+
+    def lazy_init() -> None:
+        raise AssertionError("call(key=) initialised CUDA")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.cuda, "_lazy_init", lazy_init)
+    net = Dropping()
+    x = torch.ones(4, 6)
+    a = ps.call(net, ps.params_of("m", net), x, key=ps.rng.key(1))
+    b = ps.call(net, ps.params_of("m", net), x, key=ps.rng.key(1))
+    assert torch.equal(a, b) and bool((a == 0).any())  # keyed dropout ran, on the CPU
 
 
 # 8. a forward that writes into its weights ---------------------------------------------
