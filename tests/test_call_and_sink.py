@@ -256,6 +256,52 @@ def test_a_second_tree_in_one_call_scope_gets_its_reassigned_buffer_when_its_cal
     assert float(net.calls) == 0.0
 
 
+def test_a_module_called_twice_with_one_tree_in_a_call_scope_sees_its_reassigned_buffer() -> None:
+    """Calling a module twice with the same tree inside a call_scope (as a loss inside
+    value_and_grad may) behaves as plain PyTorch: the second call sees the buffer the first
+    reassigned, the tree ends with the last value, and no conflict is recorded."""
+    net, x = Counting(), torch.ones(1, 2)
+    td = TensorDict({"calls": torch.tensor(5.0)}, [])
+    with ps.call_scope() as scope:
+        a = ps.call(net, td, x)
+        b = ps.call(net, td, x)
+        assert not scope.conflicts
+    assert torch.equal(a, net.lin(x) * 6) and torch.equal(b, net.lin(x) * 7)
+    assert float(td["calls"]) == 7.0 and float(net.calls) == 0.0
+    plain = Counting()
+    plain.load_state_dict(net.state_dict())
+    plain.calls = torch.tensor(5.0)
+    assert torch.equal(plain(x), a) and torch.equal(plain(x), b) and float(plain.calls) == 7.0
+
+
+@pytest.mark.parametrize("donate", [False, True])
+def test_a_train_step_whose_loss_calls_a_buffer_reassigning_module_twice_equals_torch(
+    donate: bool,
+) -> None:
+    """A train step whose loss calls a module that reassigns a buffer twice (inside
+    value_and_grad's call_scope) gives the loss, updated params and final buffer of the same
+    step run imperatively on the module (before the fix the second call saw the stale buffer
+    and the state kept the first call's value)."""
+    net, x = Counting(), torch.ones(3, 2)
+    opts = {"m": ps.optim.sgd(0.1)}
+
+    def loss_fn(p: Any, batch: Any, key: Any) -> Any:
+        return (ps.call(net, p["m"], batch["x"]) + ps.call(net, p["m"], batch["x"])).sum(), {}
+
+    state = ps.init_state({"m": net}, opts, seed=0)
+    out, metrics = ps.train_step(ps.value_and_grad(loss_fn), opts, donate=donate)(state, {"x": x})
+    plain = Counting()
+    plain.load_state_dict(net.state_dict())
+    sgd = torch.optim.SGD(plain.parameters(), lr=0.1)
+    loss = (plain(x) + plain(x)).sum()
+    loss.backward()
+    sgd.step()
+    assert torch.equal(metrics["loss"], loss.detach())
+    assert torch.equal(out["params", "m", "lin", "weight"], plain.lin.weight.detach())
+    assert torch.equal(out["params", "m", "lin", "bias"], plain.lin.bias.detach())
+    assert float(out["buffers", "m", "calls"]) == 2.0 == float(plain.calls)
+
+
 class Scaled(nn.Module):
     """A linear layer and dropout whose forward takes a keyword argument."""
 

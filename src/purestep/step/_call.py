@@ -113,9 +113,13 @@ class CallScope:
             h = index.get((id(d), key))
             if h is None:
                 fresh.append((d, key, i))
-            elif d[key] is not leaves[i]:
+            elif d[key] is not leaves[i] and not _holds(h, leaves[i]):
+                # another tensor for a held slot: params vs params.detach(), two roles
                 again.append((d, key, i))
                 self.conflicts[id(d)] = type(module).__name__
+            # else the slot holds this tensor, or what an earlier call with this tensor
+            # reassigned it to (a buffer `self.n = self.n + 1`): the module sees that, as
+            # it would in plain PyTorch, and close writes the last value into the tree
         if fresh:
             self._batches.append(_Batch(fresh, [d[k] for d, k, _ in fresh], td, leaves, plan.paths))
             for d, key, i in fresh:
@@ -183,6 +187,12 @@ class CallScope:
             yield
         finally:
             handle.remove()
+
+
+def _holds(held: tuple[_Batch, int], leaf: torch.Tensor) -> bool:
+    """Whether the call that holds a slot put ``leaf`` there."""
+    batch, j = held
+    return batch.leaves[batch.entries[j][2]] is leaf
 
 
 _SCOPE: ContextVar[CallScope | None] = ContextVar("purestep_call_scope", default=None)
