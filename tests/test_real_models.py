@@ -240,7 +240,8 @@ def test_value_and_grad_equals_torch_autograd_for_every_role_and_checkpoint_kind
     teacher.grad = None if before is None else before.clone()
 
     def losses(ya: torch.Tensor, yb: torch.Tensor, t: torch.Tensor) -> dict[str, torch.Tensor]:
-        return {"a": (ya * yb).mean() + (ya * t).sum(), "b": (yb * yb).mean() - yb.sum()}
+        both = ya * yb  # one node on both roles' paths: backward runs it for each role
+        return {"a": both.mean() + (ya * t).sum(), "b": (both * both).mean() - yb.sum()}
 
     def loss_fn(p: TensorDictBase, bt: TensorDictBase, key: torch.Tensor) -> Any:
         ya, yb = ps.call(nets["a"], p["a"], bt["x"]), ps.call(nets["b"], p["b"], bt["x"])
