@@ -136,6 +136,23 @@ def test_roles_not_requested_build_no_graph_and_get_no_grads() -> None:
     assert ps.live_roles() is None
 
 
+def test_a_loss_metric_the_loss_fn_returns_is_kept_not_replaced_by_the_loss() -> None:
+    """metrics["loss"] is the scalar loss unless loss_fn reports its own "loss" metric (say the
+    unregularised part), which is kept as given."""
+    net = _mlp(0)
+    params = TensorDict({"student": ps.params_of("student", net)}, [])
+    batch = _batch(0, 3)
+
+    def loss_fn(p: TensorDictBase, bt: TensorDictBase, key: torch.Tensor) -> Any:
+        mse = ((ps.call(net, p["student"], bt["x"]) - bt["y"]) ** 2).mean()
+        return mse + 1.0, {"loss": mse}
+
+    _, metrics = ps.value_and_grad(loss_fn)(params, batch, rng.key(0))
+    ref = ((net(batch["x"]) - batch["y"]) ** 2).mean().detach()
+    assert list(metrics.keys()) == ["loss"]
+    torch.testing.assert_close(metrics["loss"], ref)
+
+
 def test_non_scalar_loss_is_an_error_naming_the_role() -> None:
     """A vector loss names the role and shape."""
     net = _mlp(0)
