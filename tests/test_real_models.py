@@ -288,6 +288,26 @@ def test_value_and_grad_equals_torch_autograd_for_every_role_and_checkpoint_kind
         assert all(p.grad is None for p in net.parameters())
 
 
+def test_the_graph_walk_for_reentrant_checkpoints_visits_each_node_once() -> None:
+    """The walk that looks for reentrant checkpoints and foreign leaves yields every autograd
+    node once, however many paths lead to it (a chain of squares has 2**depth paths)."""
+    from purestep.step import _grad
+
+    p = torch.ones(2, requires_grad=True)
+    y = p
+    for _ in range(6):
+        y = y * y  # one MulBackward0 whose two inputs are the same node
+    nodes = list(_grad._walk_graph([y.sum(), y.mean()]))
+    names = sorted(type(n).__name__ for n in nodes)
+    assert names == sorted(
+        ["SumBackward0", "MeanBackward0", "AccumulateGrad"] + ["MulBackward0"] * 6
+    )
+    assert len({id(n) for n in nodes}) == len(nodes)
+    (leaf,) = _grad._foreign_leaves([y.sum(), y.mean()], set())
+    assert leaf is p
+    assert _grad._foreign_leaves([y.sum()], {id(p)}) == []
+
+
 def test_recomputing_a_module_called_with_two_param_sets_raises() -> None:
     """A checkpointed module called twice with different tensors cannot recompute both: error."""
     net = Checkpointed(reentrant=False)
