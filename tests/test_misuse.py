@@ -986,6 +986,103 @@ def test_the_non_donated_path_never_marks_its_input() -> None:
     testing.assert_trees_equal(a, b)
 
 
+def test_a_donated_state_used_again_raises_naming_the_caller_and_the_step() -> None:
+    """check_live raises DonatedStateError with the whole message (who, what it was donated to,
+    how to continue) for the marked state only; its copies and the fresh top are live."""
+    from purestep.step import _donation
+
+    state = TensorDict({"step": torch.zeros((), dtype=torch.int64)}, [])
+    copy = state.copy()
+    _donation.mark_donated(state, "a donated train_step at step 7")
+    top = _donation.fresh_top(state)
+    with pytest.raises(errors.DonatedStateError) as info:
+        _donation.check_live(state, "with_ema")
+    assert str(info.value) == (
+        "with_ema: this state was donated to a donated train_step at step 7 (donate=True), "
+        "which updated its buffers in place and returned a new state that owns them; using "
+        "this one again would apply a second update to the same buffers. Continue from the "
+        "state that step returned (state, metrics = step(state, batch)), or build the step "
+        "with donate=False to keep its input"
+    )
+    for live in (copy, top, TensorDict({}, [])):
+        _donation.check_live(live, "with_ema")
+        assert not ps.step.is_donated(live)
+
+
+class _Slotted:
+    """A state-like object without a ``__dict__`` (weak references only)."""
+
+    __slots__ = ("__weakref__",)
+
+
+class _Bare:
+    """Neither a ``__dict__`` nor weak references: it cannot be marked."""
+
+    __slots__ = ()
+
+
+def test_an_object_without_a_dict_is_marked_by_a_weak_entry_that_dies_with_it() -> None:
+    """An object without ``__dict__`` is marked in a side table keyed by its id, holding a weak
+    reference: marked (twice: the last mark is the one named) it reads as donated, and its entry
+    goes when it dies; one without weak references is left unmarked."""
+    import gc
+
+    from purestep.step import _donation
+
+    obj, other = _Slotted(), _Slotted()
+    key = id(obj)
+    _donation.mark_donated(obj, "a first step")  # type: ignore[arg-type]
+    _donation.mark_donated(obj, "a second step")  # type: ignore[arg-type]
+    assert ps.step.is_donated(obj) and not ps.step.is_donated(other)  # type: ignore[arg-type]
+    with pytest.raises(
+        errors.DonatedStateError, match=r"^t: this state was donated to a second step "
+    ):
+        _donation.check_live(obj, "t")  # type: ignore[arg-type]
+    assert key in _donation._OTHER
+    del obj
+    gc.collect()
+    assert key not in _donation._OTHER
+    bare = _Bare()
+    _donation.mark_donated(bare, "a step")  # type: ignore[arg-type]
+    assert not ps.step.is_donated(bare)  # type: ignore[arg-type]
+    assert id(bare) not in _donation._OTHER
+
+
+@pytest.mark.parametrize(
+    ("batch_size", "names", "device"),
+    [
+        ([], None, None),
+        ([], None, "cpu"),
+        ([3], None, None),
+        ([3, 2], None, "cpu"),
+        ([3, 2], ["b", None], None),
+        ([3], ["b"], "cpu"),
+    ],
+)
+def test_fresh_top_is_a_new_top_level_with_the_same_entries_shape_names_and_device(
+    batch_size: list[int], names: list[str | None] | None, device: str | None
+) -> None:
+    """fresh_top returns a new TensorDict sharing the entries (subtrees are the same objects),
+    with the input's batch size, device and dimension names; unnamed stays unnamed (tensordict
+    keeps its no-names fast paths)."""
+    from purestep.step import _donation
+
+    state = TensorDict(
+        {"w": torch.ones(*batch_size, 4), "sub": {"m": torch.zeros(*batch_size, 1)}},
+        batch_size,
+        device=device,
+        names=names,
+    )
+    top = _donation.fresh_top(state)
+    assert type(top) is TensorDict and top is not state
+    assert top["w"] is state["w"] and top["sub"] is state["sub"]
+    assert top.batch_size == state.batch_size and top.device == state.device
+    assert top.names == state.names
+    assert top._has_names() is (names is not None)
+    top.set("new", torch.zeros(batch_size))
+    assert "new" not in state.keys()
+
+
 # --- properties ---------------------------------------------------------------------------
 
 OPTIMIZERS: dict[str, Callable[[], optim.Transform]] = {

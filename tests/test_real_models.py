@@ -15,6 +15,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 from tensordict import TensorDict, TensorDictBase
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -238,6 +240,128 @@ def test_reentrant_checkpointing_leaves_other_tensors_grads_alone() -> None:
     )
     assert teacher.weight.grad is before is None
     assert len(list(grads["m"].keys(True, True))) == 6
+
+
+class _Role(nn.Module):
+    """``c(checkpoint(tanh(b(tanh(a(x))))))``: with a reentrant, a non-reentrant or no checkpoint."""
+
+    def __init__(self, d: int, mode: str) -> None:
+        super().__init__()
+        self.a = nn.Linear(3, d)
+        self.b = nn.Linear(d, d)
+        self.c = nn.Linear(d, 2)
+        self.mode = mode
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        if self.mode == "none":
+            h = torch.tanh(self.b(h))
+        else:
+            reentrant = self.mode == "reentrant"
+            h = checkpoint(lambda t: torch.tanh(self.b(t)), h, use_reentrant=reentrant)
+        return self.c(h)  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("mode", ["none", "plain", "reentrant"])
+@pytest.mark.parametrize("per_role", [False, True])
+@settings(max_examples=4, deadline=None)
+@example(live=("a", "b"), d=2, b=3, foreign_grad=True, seed=0)
+@given(
+    live=st.sampled_from([("a", "b"), ("a",), ("b",)]),
+    d=st.integers(1, 4),
+    b=st.integers(1, 5),
+    foreign_grad=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_value_and_grad_equals_torch_autograd_for_every_role_and_checkpoint_kind(
+    mode: str,
+    per_role: bool,
+    live: tuple[str, ...],
+    d: int,
+    b: int,
+    foreign_grad: bool,
+    seed: int,
+) -> None:
+    """Two roles whose losses reach each other's params, through a reentrant, a non-reentrant
+    or no checkpoint: each live role's grads are exactly torch.autograd.grad of its loss (the
+    shared scalar, or its own entry of {role: loss}) over its params, twice in a row (the
+    second call reuses what the first learned); no other role gets grads; a tensor outside
+    the params keeps its .grad as it was (the very tensor, unless a reentrant checkpoint makes
+    the backward run without inputs=); the metrics hold every detached loss."""
+    torch.manual_seed(seed)
+    nets = {"a": _Role(d, mode), "b": _Role(d, mode)}
+    refs = copy.deepcopy(nets)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(b, 3, generator=g)
+    teacher = torch.randn(b, 2, generator=g).requires_grad_(True)
+    before = torch.randn(b, 2, generator=g) if foreign_grad else None
+    teacher.grad = None if before is None else before.clone()
+    held = teacher.grad
+
+    def losses(ya: torch.Tensor, yb: torch.Tensor, t: torch.Tensor) -> dict[str, torch.Tensor]:
+        both = ya * yb  # one node on both roles' paths: backward runs it for each role
+        return {"a": both.mean() + (ya * t).sum(), "b": (both * both).mean() - yb.sum()}
+
+    def loss_fn(p: TensorDictBase, bt: TensorDictBase, key: torch.Tensor) -> Any:
+        ya, yb = ps.call(nets["a"], p["a"], bt["x"]), ps.call(nets["b"], p["b"], bt["x"])
+        out = losses(ya, yb, teacher)
+        return (out if per_role else out["a"] * out["b"]), {"n": ya.shape[0]}
+
+    params = TensorDict({r: ps.params_of(r, n) for r, n in nets.items()}, [])
+    grad_fn = ps.value_and_grad(loss_fn)
+    batch = TensorDict({"x": x}, [b])
+    runs = [grad_fn(params, batch, ps.rng.key(0), roles=list(live)) for _ in range(2)]
+
+    want: dict[str, dict[str, torch.Tensor]] = {}
+    for role in live:  # the reference: backward() on fresh copies of the modules
+        ref = copy.deepcopy(refs)
+        out = losses(ref["a"](x), ref["b"](x), teacher.detach().requires_grad_(True))
+        (out[role] if per_role else out["a"] * out["b"]).backward()
+        want[role] = {n: p.grad for n, p in ref[role].named_parameters() if p.grad is not None}
+    ref_loss = losses(refs["a"](x), refs["b"](x), teacher.detach())
+    for grads, metrics in runs:
+        assert sorted(grads.keys()) == sorted(live)
+        for role in live:
+            got = {".".join(k): v for k, v in grads[role].items(True, True)}
+            assert sorted(got) == sorted(want[role])
+            for name, w in want[role].items():
+                torch.testing.assert_close(got[name], w, rtol=1e-6, atol=1e-7)
+        if per_role:
+            assert sorted(metrics.keys()) == ["a", "b", "n"]  # every loss given, live or not
+            for role in ("a", "b"):
+                torch.testing.assert_close(metrics[role, "loss"], ref_loss[role].detach())
+        else:
+            torch.testing.assert_close(metrics["loss"], (ref_loss["a"] * ref_loss["b"]).detach())
+        assert int(metrics["n"]) == b
+    if before is None:
+        assert teacher.grad is None
+    else:
+        assert teacher.grad is not None and torch.equal(teacher.grad, before)
+        # only a reentrant checkpoint needs the backward without inputs= (that puts it back)
+        reached = not per_role or "a" in live  # the teacher is in a's loss only
+        assert (teacher.grad is held) is (mode != "reentrant" or not reached)
+    for net in nets.values():
+        assert all(p.grad is None for p in net.parameters())
+
+
+def test_the_graph_walk_for_reentrant_checkpoints_visits_each_node_once() -> None:
+    """The walk that looks for reentrant checkpoints and foreign leaves yields every autograd
+    node once, however many paths lead to it (a chain of squares has 2**depth paths)."""
+    from purestep.step import _grad
+
+    p = torch.ones(2, requires_grad=True)
+    y = p
+    for _ in range(6):
+        y = y * y  # one MulBackward0 whose two inputs are the same node
+    nodes = list(_grad._walk_graph([y.sum(), y.mean()]))
+    names = sorted(type(n).__name__ for n in nodes)
+    assert names == sorted(
+        ["SumBackward0", "MeanBackward0", "AccumulateGrad"] + ["MulBackward0"] * 6
+    )
+    assert len({id(n) for n in nodes}) == len(nodes)
+    (leaf,) = _grad._foreign_leaves([y.sum(), y.mean()], set())
+    assert leaf is p
+    assert _grad._foreign_leaves([y.sum()], {id(p)}) == []
 
 
 def test_recomputing_a_module_called_with_two_param_sets_raises() -> None:

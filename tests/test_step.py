@@ -136,6 +136,23 @@ def test_roles_not_requested_build_no_graph_and_get_no_grads() -> None:
     assert ps.live_roles() is None
 
 
+def test_a_loss_metric_the_loss_fn_returns_is_kept_not_replaced_by_the_loss() -> None:
+    """metrics["loss"] is the scalar loss unless loss_fn reports its own "loss" metric (say the
+    unregularised part), which is kept as given."""
+    net = _mlp(0)
+    params = TensorDict({"student": ps.params_of("student", net)}, [])
+    batch = _batch(0, 3)
+
+    def loss_fn(p: TensorDictBase, bt: TensorDictBase, key: torch.Tensor) -> Any:
+        mse = ((ps.call(net, p["student"], bt["x"]) - bt["y"]) ** 2).mean()
+        return mse + 1.0, {"loss": mse}
+
+    _, metrics = ps.value_and_grad(loss_fn)(params, batch, rng.key(0))
+    ref = ((net(batch["x"]) - batch["y"]) ** 2).mean().detach()
+    assert list(metrics.keys()) == ["loss"]
+    torch.testing.assert_close(metrics["loss"], ref)
+
+
 def test_non_scalar_loss_is_an_error_naming_the_role() -> None:
     """A vector loss names the role and shape."""
     net = _mlp(0)
@@ -711,12 +728,13 @@ def test_check_index_refuses_exactly_repeated_ids_naming_the_smallest_and_its_po
     where = [p for p, i in enumerate(ids) if i == first]
     n_dup = len(ids) - len(set(ids))
     more = f" ({n_dup} repeated ids in all)" if n_dup > len(where) - 1 else ""
-    assert str(info.value).startswith(
+    assert str(info.value) == (
         f"batch['index'] has duplicate sample ids: {first} at positions {where}{more}; "
         "per-sample noise is drawn from fold_in(key, index[i]), so these samples would get "
-        "the same noise. Give every sample"
+        "the same noise. Give every sample of a step its own id (e.g. its position in the "
+        "stream of samples, not its dataset index when sampling with replacement), or leave "
+        "'index' out (it defaults to arange(B))"
     ), str(info.value)
-    assert str(info.value).endswith("or leave 'index' out (it defaults to arange(B))")
     assert info.value.key == "index"
 
 
@@ -731,6 +749,49 @@ def test_check_index_checks_an_index_again_after_it_was_written_to() -> None:
         ps.step.check_index(idx)
     with pytest.raises(errors.BatchError, match="0 at positions"):
         ps.step.check_index(idx.clone())
+
+
+def test_check_index_sorts_an_index_once_and_only_when_ids_could_repeat(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The check's cost (a sort of B ids) is paid once per index: a checked index, or one that
+    with_index assigned, is not sorted again until it is written to; B = 1 needs no sort."""
+    sorts: list[list[int]] = []
+    real_sort = torch.sort
+
+    def counting_sort(t: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        sorts.append(t.tolist())
+        return real_sort(t, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "sort", counting_sort)
+    idx = torch.tensor([4, 1, 2])
+    for _ in range(3):
+        assert ps.step.check_index(idx) is idx
+    assert sorts == [[4, 1, 2]]
+    idx[0] = 3
+    assert ps.step.check_index(idx) is idx and ps.step.check_index(idx) is idx
+    assert sorts == [[4, 1, 2], [3, 1, 2]]
+    other = torch.tensor([4, 1, 2])
+    assert ps.step.check_index(other) is other
+    assert sorts == [[4, 1, 2], [3, 1, 2], [4, 1, 2]]
+    sorts.clear()
+    single = torch.tensor([5])
+    assert ps.step.check_index(single) is single
+    assigned = ps.step.with_index(TensorDict({"x": torch.zeros(4)}, [4]))["index"]
+    assert ps.step.check_index(assigned) is assigned
+    assert sorts == []
+
+
+def test_check_index_does_not_read_the_values_of_a_traced_index() -> None:
+    """Under tracing (a fake tensor: shape and dtype, no values) the index is returned
+    unchecked, not read (which would fail); its values are checked on the host."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        idx = torch.tensor([0, 0, 1])
+        assert ps.step.check_index(idx) is idx
+        with pytest.raises(errors.BatchError, match=r"got dtype torch\.int32 and shape \(3,\)$"):
+            ps.step.check_index(idx.int())
 
 
 def test_with_index_adds_arange_b_or_checks_the_given_index() -> None:

@@ -62,7 +62,7 @@ class GradFn(Protocol):
         *,
         roles: Sequence[str] | None = None,
         buffers: TensorDictBase | None = None,
-        donate: bool = False,
+        donate: bool = False,  # pragma: no mutate (a Protocol stub, never run)
     ) -> tuple[TensorDict, TensorDict]: ...
 
 
