@@ -969,3 +969,112 @@ def test_the_state_checks_run_once_per_structure() -> None:
                     assert all(isinstance(t, str) for t in misses), misses
                 else:
                     assert misses == [], (donate, i, misses)
+
+
+# --- bound (FSDP2) roles on one rank ------------------------------------------------------------
+# One gloo rank in this process (tests/_optim.one_rank_mesh): the bound path (grads from
+# backward() into .grad, FSDP's sync hooks, the harvest) runs without spawning workers.
+
+
+def _two_bound_losses(
+    student: nn.Module, critic: nn.Module, kind: str, *, detach: bool = True
+) -> ps.step.LossFn:
+    """The critic scores the student's output; ``kind``: one loss for both, or one per role."""
+
+    def loss_fn(
+        params: TensorDictBase, batch: TensorDictBase, key: torch.Tensor
+    ) -> tuple[Any, dict[str, torch.Tensor]]:
+        pred = ps.call(student, params["student"], batch["x"])
+        seen = pred.detach() if detach else pred
+        score = ps.call(critic, params["critic"], seen)
+        fit = ((pred - batch["y"]) ** 2).mean()
+        if kind == "one":
+            return fit + 0.5 * ps.call(critic, params["critic"], pred).pow(2).mean(), {}
+        return {"student": fit, "critic": (score - 1.0).pow(2).mean()}, {}
+
+    return loss_fn
+
+
+def _two_role_run(
+    mesh: Any, *, bound: bool, kind: str, k: int, b: int, every: int, steps: int
+) -> tuple[TensorDict, list[TensorDict], list[nn.Module]]:
+    from purestep.distributed import fsdp
+
+    student, critic = _mlp(0), _mlp(1, d_in=2, d_out=1)
+    opt = {"student": optim.adam(1e-2), "critic": optim.sgd(0.1, momentum=0.9)}
+    roles: dict[str, Any] = {"student": student, "critic": critic}
+    if bound:
+        roles = {r: fsdp.bind(m, mesh=mesh) for r, m in roles.items()}
+    state = ps.init_state(roles, opt, seed=3)
+    grad_fn = ps.accumulate(ps.value_and_grad(_two_bound_losses(student, critic, kind)), k)
+    step = ps.train_step(grad_fn, opt, every={"critic": every}, donate=bound)
+    metrics = []
+    for s in range(steps):
+        state, m = step(state, _batch(10 + s, b))
+        metrics.append(m)
+        if bound:
+            stale = [n for n, p in student.named_parameters() if p.grad is not None]
+            stale += [n for n, p in critic.named_parameters() if p.grad is not None]
+            assert not stale, f"step {s}: bound params kept a .grad after the step: {stale}"
+    if bound:
+        state = fsdp.gather(state)
+    return state, metrics, [student, critic]
+
+
+def test_bound_roles_on_one_rank_train_exactly_like_functional_roles() -> None:
+    """A state bound to FSDP2 modules (one rank) trains like the functional state.
+
+    Over one loss for both roles and one loss per role, accumulation over ``k``
+    microbatches of uneven size, and a critic updated every other step (idle on the
+    others): params, optimizer state, counters and metrics equal the functional run's,
+    and no bound param keeps a ``.grad`` after a step.
+    """
+    from _optim import one_rank_mesh
+
+    with one_rank_mesh() as mesh:
+
+        @FAST
+        @given(
+            kind=st.sampled_from(["one", "per_role"]),
+            k=st.integers(1, 3),
+            b=st.integers(3, 7),
+            every=st.integers(1, 2),
+        )
+        def check(kind: str, k: int, b: int, every: int) -> None:
+            k = min(k, b)
+            run = {"kind": kind, "k": k, "b": b, "every": every, "steps": 3}
+            want, want_m, _ = _two_role_run(mesh, bound=False, **run)
+            got, got_m, _ = _two_role_run(mesh, bound=True, **run)
+            testing.assert_trees_close(got, want, rtol=1e-5, atol=1e-6, what="state")
+            for s, (g, w) in enumerate(zip(got_m, want_m, strict=True)):
+                testing.assert_trees_close(g, w, rtol=1e-5, atol=1e-6, what=f"metrics {s}")
+
+        check()
+
+
+def test_a_bound_roles_loss_reaching_another_bound_role_with_its_own_loss_is_refused() -> None:
+    """One backward() serves all bound roles, so a per-role loss that reaches another bound
+    role's params (the critic scoring the student's output without detach) would add to that
+    role's gradient: the step refuses it, naming both roles, and leaves the state untouched."""
+    from _optim import one_rank_mesh
+    from purestep.distributed import fsdp
+
+    with one_rank_mesh() as mesh:
+        student, critic = _mlp(0), _mlp(1, d_in=2, d_out=1)
+        opt = {"student": optim.sgd(0.1), "critic": optim.sgd(0.1)}
+        state = ps.init_state(
+            {"student": fsdp.bind(student, mesh=mesh), "critic": fsdp.bind(critic, mesh=mesh)},
+            opt,
+            seed=0,
+        )
+        before = tree.clone(fsdp.gather(state["params"]))
+        loss_fn = _two_bound_losses(student, critic, "per_role", detach=False)
+        step = ps.train_step(ps.value_and_grad(loss_fn), opt, donate=True)
+        with pytest.raises(ValueError, match="reaches the params of bound role") as info:
+            step(state, _batch(0, 4))
+        assert str(info.value).startswith(
+            "the loss of bound role 'critic' reaches the params of bound role 'student', "
+            "which has a loss of its own: bound (FSDP) roles run one backward() over all "
+            "their losses, so the gradient of 'student' would include the loss of 'critic'."
+        ), str(info.value)
+        testing.assert_trees_equal(fsdp.gather(state["params"]), before)

@@ -36,6 +36,21 @@ class Owner:
     modules: tuple[weakref.ref[nn.Module], ...]
     mesh: DeviceMesh
     sync_every_microbatch: bool
+    # index into ``modules`` -> the params that module's last forward ran with
+    # (FSDP2's unsharded parameters: the autograd graph's leaves), by weak reference
+    forward_params: dict[int, tuple[weakref.ref[torch.Tensor], ...]] = attrs.field(
+        factory=dict, init=False
+    )
+
+    def graph_params(self) -> list[torch.Tensor]:
+        """The params the binding's modules last ran forward with (still alive)."""
+        out = []
+        for refs in self.forward_params.values():
+            for ref in refs:
+                t = ref()
+                if t is not None:
+                    out.append(t)
+        return out
 
     def fsdp_modules(self) -> list[FSDPModule]:
         out = []

@@ -63,7 +63,12 @@ from purestep.distributed._data_parallel import (
 )
 from purestep.distributed._owners import Owner, owners_of, register
 from purestep.state import buffers_of
-from purestep.step import Microbatch, register_bound_backward_hook, register_bound_metrics_hook
+from purestep.step import (
+    Microbatch,
+    register_bound_backward_hook,
+    register_bound_graph_hook,
+    register_bound_metrics_hook,
+)
 
 __all__ = [
     "FSDPBinding",
@@ -309,9 +314,13 @@ def bind(
         sync_every_microbatch=sync_every_microbatch,
     )
     register(tree.leaves(binding.params()), owner)
+    for i, m in enumerate(fsdp_modules):
+        # after FSDP's own pre-forward hook (prepended): the module holds unsharded params
+        m.register_forward_pre_hook(_ForwardParams(owner, i))
     # The step layer learns about bound roles only once something is bound.
     register_bound_backward_hook(_before_backward)
     register_bound_metrics_hook(_reduce_bound_metrics)
+    register_bound_graph_hook(_graph_params)
     return binding
 
 
@@ -325,6 +334,21 @@ def _before_backward(leaves: Sequence[torch.Tensor], mb: Microbatch) -> None:
         for m in owner.fsdp_modules():
             m.set_requires_gradient_sync(sync, recurse=False)
             m.set_is_last_backward(sync)
+
+
+@attrs.frozen
+class _ForwardParams:
+    """Forward pre-hook: record the params module ``index`` of ``owner`` runs forward with."""
+
+    owner: Owner
+    index: int
+
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        self.owner.forward_params[self.index] = tuple(weakref.ref(p) for p in module.parameters())
+
+
+def _graph_params(leaves: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    return [t for owner in owners_of(leaves) for t in owner.graph_params()]
 
 
 def _reduce_bound_metrics(leaves: Sequence[torch.Tensor], metrics: TensorDict) -> TensorDict:

@@ -10,6 +10,7 @@ from purestep.step._batch import Batch, as_batch, batch_size, check_index, with_
 from purestep.step._bound import (
     is_bound,
     register_bound_backward_hook,
+    register_bound_graph_hook,
     register_bound_metrics_hook,
 )
 from purestep.step._call import call, call_scope, recording_modules
@@ -57,6 +58,7 @@ __all__ = [
     "next_step",
     "recording_modules",
     "register_bound_backward_hook",
+    "register_bound_graph_hook",
     "register_bound_metrics_hook",
     "set_skip",
     "skip_nonfinite",

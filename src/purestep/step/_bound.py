@@ -9,7 +9,16 @@ through the two hook registries here:
 * a *backward hook* ``hook(role_leaves, microbatch)`` runs right before
   ``backward()`` of bound roles (FSDP: gradient sync on the last microbatch only);
 * a *metrics hook* ``hook(bound_leaves, metrics) -> metrics`` runs in
-  ``train_step`` when the state has bound roles (FSDP: average per-rank metrics).
+  ``train_step`` when the state has bound roles (FSDP: average per-rank metrics);
+* a *graph hook* ``hook(role_leaves) -> tensors`` names the tensors that stand for
+  those params in the autograd graph of their last forward (FSDP: the unsharded
+  parameters), so the step can tell which bound roles a loss reaches.
+
+Bound roles run one ``backward()`` over all their losses, so a role's ``.grad``
+gathers every loss that reaches its modules. With one loss for all roles that is
+the functional result; with a loss per role it is not when one role's loss
+reaches another role's params, and :func:`purestep.value_and_grad` refuses that
+case (the graph hooks let it see it).
 """
 
 from __future__ import annotations
@@ -25,18 +34,23 @@ from purestep.step._context import Microbatch, current_microbatch
 
 __all__ = [
     "BoundBackwardHook",
+    "BoundGraphHook",
     "BoundMetricsHook",
     "bound_grads",
+    "graph_params",
     "is_bound",
     "reduce_bound_metrics",
     "register_bound_backward_hook",
+    "register_bound_graph_hook",
     "register_bound_metrics_hook",
 ]
 
 BoundBackwardHook = Callable[[Sequence[torch.Tensor], Microbatch], None]
 BoundMetricsHook = Callable[[Sequence[torch.Tensor], TensorDict], TensorDict]
+BoundGraphHook = Callable[[Sequence[torch.Tensor]], Sequence[torch.Tensor]]
 _BOUND_HOOKS: list[BoundBackwardHook] = []
 _BOUND_METRICS_HOOKS: list[BoundMetricsHook] = []
+_BOUND_GRAPH_HOOKS: list[BoundGraphHook] = []
 
 
 def is_bound(params: TensorDictBase) -> bool:
@@ -71,6 +85,33 @@ def register_bound_metrics_hook(hook: BoundMetricsHook) -> None:
     """
     if hook not in _BOUND_METRICS_HOOKS:
         _BOUND_METRICS_HOOKS.append(hook)
+
+
+def register_bound_graph_hook(hook: BoundGraphHook) -> None:
+    """Register ``hook(role_leaves) -> tensors``: those params' tensors in the autograd graph.
+
+    A bound module may compute with other tensors than the state's leaves (FSDP2
+    runs forward with unsharded copies); the hook returns the ones the last forward
+    used, so :func:`graph_params` can match a loss's graph to its roles. Registering
+    the same hook twice has no effect.
+
+    Example:
+        >>> register_bound_graph_hook(lambda leaves: [])  # doctest: +SKIP
+    """
+    if hook not in _BOUND_GRAPH_HOOKS:
+        _BOUND_GRAPH_HOOKS.append(hook)
+
+
+def graph_params(leaves: Sequence[torch.Tensor]) -> set[int]:
+    """``id()`` of the tensors that stand for ``leaves`` in the autograd graph (graph hooks).
+
+    Empty when no graph hook is registered (nothing bound yet) or none knows ``leaves``.
+
+    Example:
+        >>> graph_params([torch.ones(1)])
+        set()
+    """
+    return {id(t) for hook in _BOUND_GRAPH_HOOKS for t in hook(leaves)}
 
 
 def reduce_bound_metrics(params: TensorDictBase, metrics: TensorDict) -> TensorDict:

@@ -30,7 +30,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from purestep import _compat, tree
-from purestep.step._bound import bound_grads, is_bound
+from purestep.step._bound import bound_grads, graph_params, is_bound
 from purestep.step._call import call_scope
 from purestep.step._context import live_scope
 from purestep.step._sink import MicrobatchGrads, take_sink
@@ -222,6 +222,31 @@ def _walk_graph(roots: Sequence[torch.Tensor]) -> Any:
 
 def _has_reentrant_checkpoint(losses: Sequence[torch.Tensor]) -> bool:
     return any(type(fn).__name__ == "CheckpointFunctionBackward" for fn in _walk_graph(losses))
+
+
+def _check_bound_losses_apart(
+    losses: dict[str, torch.Tensor], leaves: dict[str, list[torch.Tensor]]
+) -> None:
+    """Refuse a bound role's loss that reaches another bound role with a loss of its own.
+
+    Bound roles share one ``backward()``, so that other role's ``.grad`` would gather
+    this loss too, where a functional role gets the gradient of its own loss only.
+    """
+    if len({id(v) for v in losses.values()}) < 2:
+        return
+    seen = {role: graph_params(leaves[role]) for role in losses}
+    for role, loss in losses.items():
+        reached = {id(fn.variable) for fn in _walk_graph([loss]) if hasattr(fn, "variable")}
+        for other, other_loss in losses.items():
+            if other_loss is not loss and reached & seen[other]:
+                raise ValueError(
+                    f"the loss of bound role {role!r} reaches the params of bound role "
+                    f"{other!r}, which has a loss of its own: bound (FSDP) roles run one "
+                    f"backward() over all their losses, so the gradient of {other!r} would "
+                    f"include the loss of {role!r}. Detach what the loss of {role!r} reads "
+                    f"from the modules of {other!r} (e.g. critic(student_out.detach())), or "
+                    "return one loss for both"
+                )
 
 
 def _foreign_leaves(losses: Sequence[torch.Tensor], ours: set[int]) -> list[torch.Tensor]:
@@ -416,6 +441,7 @@ def value_and_grad(loss_fn: LossFn) -> GradFn:
                         if r not in bnd and bound[r]
                         for t in tree.leaves(params.get(r))
                     ]
+                    _check_bound_losses_apart(bnd, leaves)
                     grad_lists.update(bound_grads(bnd, leaves, idle))
         if sink is not None:
             sink.served.update(func)
