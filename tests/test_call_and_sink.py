@@ -214,6 +214,205 @@ class Counting(nn.Module):
         return self.lin(x) * self.calls  # type: ignore[no-any-return]
 
 
+class Rewrites(nn.Module):
+    """Reassigns slots in forward: a buffer (a tensor), ``scale`` (an ``nn.Parameter``),
+    or the buffer to a non-tensor (``bad``)."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__()
+        self.what = what
+        self.lin = nn.Linear(2, 2)
+        self.scale = nn.Parameter(torch.ones(()))
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.what == "bad":
+            self._buffers["calls"] = 3.5  # type: ignore[assignment]
+            return x
+        self.calls = self.calls + self.scale
+        if self.what == "parameter":
+            self.scale = nn.Parameter(self.scale * 3)
+        return self.lin(x) * self.calls  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("what", ["buffer", "parameter"])
+def test_a_slot_reassigned_in_a_plain_call_is_written_into_the_tree_and_the_module_restored(
+    what: str,
+) -> None:
+    """Outside a call_scope, a tensor the module put into a slot during ``call`` replaces that
+    leaf in the tree (a new tensor: the caller's old leaf is not overwritten; a Parameter
+    detached), every other leaf and the module's own tensors stay the very same objects, and
+    a reassigned buffer keeps its graph to the params it was computed from."""
+    net, x = Rewrites(what), torch.ones(1, 2)
+    td = ps.params_of("r", net)
+    td.set("calls", torch.tensor(5.0))
+    td.set("scale", torch.tensor(2.0, requires_grad=True))
+    before = dict(zip(td.keys(True, True), [td.get(k) for k in td.keys(True, True)], strict=True))
+    own = {n: t for n, t in list(net.named_parameters()) + list(net.named_buffers())}
+    out = ps.call(net, td, x)
+    assert torch.equal(out, (net.lin(x) * 7).detach()), "the call ran with the tree's tensors"
+    calls = td["calls"]
+    assert calls is not before["calls"] and float(calls.detach()) == 7.0, (
+        "the buffer was not written"
+    )
+    assert float(before["calls"]) == 5.0, "the caller's old leaf was overwritten in place"
+    assert calls.grad_fn is not None, "the written buffer lost its graph to the params"
+    changed = {"calls"} | ({"scale"} if what == "parameter" else set())
+    for key, old in before.items():
+        if key not in changed:
+            assert td.get(key) is old, f"{key} was replaced"
+    if what == "parameter":
+        scale = td["scale"]
+        assert type(scale) is torch.Tensor and not scale.requires_grad, type(scale)
+        assert float(scale) == 6.0 and float(before["scale"].detach()) == 2.0
+    now = {n: t for n, t in list(net.named_parameters()) + list(net.named_buffers())}
+    assert now.keys() == own.keys() and all(now[n] is own[n] for n in own), "module not restored"
+
+
+def test_a_slot_set_to_a_non_tensor_in_a_plain_call_is_refused_naming_it() -> None:
+    """A module that puts a non-tensor into a buffer slot during ``call`` gets a TypeError
+    naming the slot and the type, and its own buffer back."""
+    net = Rewrites("bad")
+    own = net.calls
+    td = TensorDict({"calls": torch.tensor(5.0)}, [])
+    with pytest.raises(TypeError) as info:
+        ps.call(net, td, torch.ones(1, 2))
+    assert str(info.value) == (
+        "call: the module set 'calls' to float during the call; expected a tensor"
+    )
+    assert net.calls is own and float(td["calls"]) == 5.0
+
+
+def test_swap_and_restore_without_leaves_read_them_from_the_tree() -> None:
+    """``plan_for``/``swap``/``restore`` called without the leaves list (as the doc shows):
+    the module runs with the tree's tensors and gets its own back; a replaced one is written."""
+    from purestep.step import _swap
+
+    bn = nn.BatchNorm1d(1)
+    own = bn.running_mean
+    td = TensorDict({"running_mean": torch.full((1,), 3.0), "weight": torch.full((1,), 2.0)}, [])
+    plan = _swap.plan_for(bn, td)
+    assert [p for p in plan.paths] == [("running_mean",), ("weight",)]
+    old = _swap.swap(plan, td)
+    assert bn.running_mean is td["running_mean"] and bn.weight is td["weight"]
+    bn.running_mean = torch.ones(1)
+    new = bn.running_mean
+    _swap.restore(plan, old, td)
+    assert td["running_mean"] is new and bn.running_mean is own
+    assert float(td["weight"]) == 2.0 and isinstance(bn.weight, nn.Parameter)
+
+
+class Nested(nn.Module):
+    """Calls its ``inner`` submodule twice through ``ps.call`` with ``inner_td``, in forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(2, 2)
+        self.inner = nn.Linear(2, 2)
+        self.inner_td: TensorDict | None = None
+        self.gate: Any = None  # a threading.Event pair (entered, leave) to hold the call open
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate is not None:
+            entered, leave = self.gate
+            entered.set()
+            assert leave.wait(30), "the test never released the call"
+        h = self.lin(x)
+        assert self.inner_td is not None
+        for _ in range(2):
+            h = ps.call(self.inner, self.inner_td, h)
+        return h  # type: ignore[no-any-return]
+
+
+def _owned(td: TensorDict, net: nn.Module) -> list[Any]:
+    from purestep.step import _swap
+
+    return [_swap._OWNERS.get(i) for i in _swap.plan_for(net, td).dict_ids]
+
+
+def test_nested_calls_of_a_module_in_one_thread_run_with_the_innermost_tree_and_release_all() -> (
+    None
+):
+    """A module's forward may ``call`` its own submodule (twice, on the same slots): each call
+    runs with its tree, the outer call gets its tensors back, and when the outer call returns
+    no slot is left owned by the thread (another thread can call the module)."""
+    import threading
+
+    net, x = Nested(), torch.ones(1, 2)
+    td = ps.params_of("n", net)
+    td.apply_(lambda t: t * 2)
+    inner = ps.params_of("i", net.inner)
+    inner.apply_(lambda t: t + 1)
+    net.inner_td = inner
+    out = ps.call(net, td, x)
+    lin = lambda p, h: h @ p["weight"].T + p["bias"]  # noqa: E731
+    want = lin(inner, lin(inner, lin(td["lin"], x)))
+    assert torch.equal(out.detach(), want.detach())
+    assert _owned(td, net) == [None] * len(_owned(td, net)), "slots left owned after the call"
+    errors: list[BaseException] = []
+
+    def other() -> None:
+        try:
+            ps.call(net, td, x)
+        except BaseException as e:
+            errors.append(e)
+
+    t = threading.Thread(target=other)
+    t.start()
+    t.join(30)
+    assert not errors, errors
+
+
+def test_a_call_from_another_thread_while_the_module_is_in_use_is_refused_naming_the_owner() -> (
+    None
+):
+    """While one thread is inside ``call`` of a module, ``call`` of it from another thread raises
+    ModuleInUseError naming the module and the owning thread; after the first call returns the
+    other thread can call it."""
+    import threading
+
+    net, x = Nested(), torch.ones(1, 2)
+    td = ps.params_of("n", net)
+    net.inner_td = ps.params_of("i", net.inner)
+    entered, leave = threading.Event(), threading.Event()
+    net.gate = (entered, leave)
+    holder = threading.Thread(target=ps.call, args=(net, td, x))
+    holder.start()
+    try:
+        assert entered.wait(30)
+        net.gate = None
+        with pytest.raises(ps.step.ModuleInUseError) as info:
+            ps.call(net, td, x)
+        assert str(info.value) == (
+            f"call: Nested is in use by a call in another thread (thread {holder.ident}); a "
+            "module holds one set of tensors at a time, so threads that step through the same "
+            "module must each use their own copy (copy.deepcopy(module)) or take turns"
+        )
+    finally:
+        leave.set()
+        holder.join(30)
+    ps.call(net, td, x)
+
+
+def test_a_plan_is_built_once_per_tree_structure_and_names_the_module_in_its_errors() -> None:
+    """``plan_for`` returns the cached plan for every tree of one structure (a new one for a new
+    structure); building a plan for a key the module lacks raises KeyError naming the module
+    type and the key."""
+    from purestep.step import _swap
+
+    net = Net(0)
+    a, b = ps.params_of("a", net), ps.params_of("b", net).apply(lambda t: t + 1)
+    plan = _swap.plan_for(net, a)
+    assert _swap.plan_for(net, b) is plan
+    assert _swap.plan_for(net, a.exclude("unused")) is not plan
+    with pytest.raises(KeyError) as info:
+        _swap.plan_for(net, TensorDict({"a": {"wieght": torch.zeros(4, 3)}}, []))
+    assert info.value.args[0] == (
+        "call: Net has no parameter or buffer 'a.wieght' (the tree's keys must follow the "
+        "module's named_parameters()/named_buffers() paths)"
+    )
+
+
 def test_a_buffer_reassigned_inside_a_call_scope_is_written_into_the_tree_at_close() -> None:
     """In a call_scope the module holds the reassigned buffer until the scope closes; then it
     is written into the tree and the module gets its own buffer back."""

@@ -39,7 +39,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from tensordict import TensorDict, TensorDictBase
+from tensordict import TensorDictBase
 from torch import nn
 
 from purestep import tree
@@ -250,10 +250,7 @@ def _write_back(td: TensorDictBase, paths: list[KeyPath], replaced: dict[int, An
             )
         path = paths[i]
         value = current.detach() if isinstance(current, nn.Parameter) else current
-        if isinstance(td, TensorDict):
-            with td.unlock_():
-                td.set(path, value, inplace=False)
-        else:
+        with td.unlock_():
             td.set(path, value, inplace=False)
 
 
