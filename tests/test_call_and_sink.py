@@ -367,8 +367,8 @@ def test_a_call_from_another_thread_while_the_module_is_in_use_is_refused_naming
     None
 ):
     """While one thread is inside ``call`` of a module, ``call`` of it from another thread raises
-    ModuleInUseError naming the module and the owning thread; after the first call returns the
-    other thread can call it."""
+    ModuleInUseError naming the module and the owning thread (a call of another module is not
+    held up); after the first call returns the other thread can call it."""
     import threading
 
     net, x = Nested(), torch.ones(1, 2)
@@ -381,6 +381,8 @@ def test_a_call_from_another_thread_while_the_module_is_in_use_is_refused_naming
     try:
         assert entered.wait(30)
         net.gate = None
+        other = Net(1)
+        ps.call(other, ps.params_of("o", other), torch.ones(1, 3))  # another module: free
         with pytest.raises(ps.step.ModuleInUseError) as info:
             ps.call(net, td, x)
         assert str(info.value) == (
@@ -396,8 +398,8 @@ def test_a_call_from_another_thread_while_the_module_is_in_use_is_refused_naming
 
 def test_a_plan_is_built_once_per_tree_structure_and_names_the_module_in_its_errors() -> None:
     """``plan_for`` returns the cached plan for every tree of one structure (a new one for a new
-    structure); building a plan for a key the module lacks raises KeyError naming the module
-    type and the key."""
+    structure); building a plan for a key the module lacks, a slot that holds None, or both
+    keys of a tied tensor raises, naming the module type and the keys."""
     from purestep.step import _swap
 
     net = Net(0)
@@ -405,6 +407,20 @@ def test_a_plan_is_built_once_per_tree_structure_and_names_the_module_in_its_err
     plan = _swap.plan_for(net, a)
     assert _swap.plan_for(net, b) is plan
     assert _swap.plan_for(net, a.exclude("unused")) is not plan
+    holes = nn.Linear(2, 2, bias=False)
+    holes.register_buffer("empty", None)
+    with pytest.raises(ValueError, match="is None") as none_slot:
+        _swap.plan_for(holes, TensorDict({"empty": torch.zeros(1)}, []))
+    assert str(none_slot.value) == "call: Linear.empty is None; there is no tensor to replace"
+    tied = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    tied[1].weight = tied[0].weight
+    both = TensorDict({"0": {"weight": torch.zeros(2, 2)}, "1": {"weight": torch.zeros(2, 2)}}, [])
+    with pytest.raises(ValueError, match="tied") as twice:
+        _swap.plan_for(tied, both)
+    assert str(twice.value) == (
+        "call: '0.weight' and '1.weight' name the same tied tensor of Sequential; give it once "
+        "(its canonical key is '0.weight')"
+    )
     with pytest.raises(KeyError) as info:
         _swap.plan_for(net, TensorDict({"a": {"wieght": torch.zeros(4, 3)}}, []))
     assert info.value.args[0] == (
