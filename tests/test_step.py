@@ -850,7 +850,8 @@ def _without_donate(gf: ps.step.GradFn) -> Callable[..., Any]:
 def test_weights_written_by_the_forward_reach_the_state_donated_or_not() -> None:
     """Embedding(max_norm) writes the looked-up rows during forward. Through a grad_fn that does
     not take ``donate=`` (the written values come back in ``buffers``), donate=True and False
-    give the same states, bitwise, as value_and_grad's own donated path (writes in place)."""
+    give the same states, bitwise, as value_and_grad's own donated path (writes in place), and
+    a state without buffers gets none."""
     net = _Renorm()
 
     def loss_fn(p: TensorDictBase, b: TensorDictBase, key: torch.Tensor) -> Any:
@@ -881,6 +882,77 @@ def test_weights_written_by_the_forward_reach_the_state_donated_or_not() -> None
     ref = runs["value_and_grad, donate=True"]
     for name, state in runs.items():
         testing.assert_trees_equal(state, ref, what=name)
+        assert sorted(state.keys()) == sorted(init.keys()), f"{name}: the state's keys changed"
+
+
+class _RenormBN(_Renorm):
+    """``_Renorm`` with a BatchNorm between lookup and head: buffers and written params."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.BatchNorm1d(4)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.head(self.norm(self.emb(ids)))
+        return out
+
+
+@pytest.mark.parametrize("donate", [False, True])
+@pytest.mark.parametrize("custom", [False, True])
+def test_written_weights_and_buffers_of_several_roles_equal_the_imperative_loop(
+    donate: bool, custom: bool
+) -> None:
+    """Roles with buffers only (BatchNorm, named first), written weights only
+    (Embedding(max_norm)) and both (Embedding(max_norm) + BatchNorm): params and
+    buffers after three SGD steps equal torch's loop on the modules themselves, through
+    value_and_grad or a grad_fn without ``donate=``, donated or not."""
+    import copy
+
+    nets = {
+        "a": nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3)),
+        "e": _Renorm(),
+        "m": _RenormBN(),
+    }
+    ref = copy.deepcopy(nets)
+
+    def loss_of(mods: Any, p: TensorDictBase | None, b: TensorDictBase) -> torch.Tensor:
+        run = (
+            (lambda r, *a: mods[r](*a)) if p is None else (lambda r, *a: ps.call(mods[r], p[r], *a))
+        )
+        fit = ((run("m", b["ids"]) - b["y"]) ** 2).mean() + run("a", b["x"]).pow(2).mean()
+        return fit + (run("e", b["ids"]) - b["y"]).abs().mean()
+
+    opt = {r: optim.sgd(0.1) for r in nets}
+    gf = ps.value_and_grad(lambda p, b, key: (loss_of(nets, p, b), {}))
+    step = ps.train_step(_without_donate(gf) if custom else gf, opt, donate=donate)
+    g = torch.Generator().manual_seed(1)
+    batches = [
+        TensorDict(
+            {
+                "ids": torch.randint(0, 10, (4,), generator=g),
+                "y": torch.randn(4, 2, generator=g),
+                "x": torch.randn(4, 3, generator=g),
+            },
+            [4],
+        )
+        for _ in range(3)
+    ]
+    state = ps.init_state(nets, opt, seed=0)
+    torch_opt = torch.optim.SGD([p for m in ref.values() for p in m.parameters()], lr=0.1)
+    for b in batches:
+        state, _ = step(state, b)
+        torch_opt.zero_grad()
+        loss_of(ref, None, b).backward()
+        torch_opt.step()
+    assert sorted(state["buffers"].keys()) == ["a", "m"]
+    for role, mod in ref.items():
+        testing.assert_trees_close(
+            state["params", role], ps.params_of(role, mod), rtol=1e-6, atol=1e-7, what=role
+        )
+        if role != "e":
+            testing.assert_trees_close(
+                state["buffers", role], ps.buffers_of(role, mod), rtol=1e-6, atol=1e-7, what=role
+            )
 
 
 def _nan_steps(donate: bool, ema: bool = False) -> tuple[Any, TensorDict, list[TensorDict]]:
