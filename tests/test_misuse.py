@@ -1965,3 +1965,56 @@ def test_skip_counters_that_are_not_0_dim_are_refused_by_prepare(
         "skipped steps); drop state['skip'] and call step.prepare to rebuild it"
     )
     assert info.value.path == ("skip", counter)
+
+
+def test_a_skip_entry_that_is_not_a_tree_is_refused_naming_its_type() -> None:
+    """state['skip'] as a tensor (not the counters' tree) is refused with the whole message."""
+    from purestep.step import _counters
+
+    with pytest.raises(errors.StateError) as info:
+        _counters.add_skip_counters(TensorDict({"step": torch.tensor(0), "skip": torch.tensor(0)}))
+    assert str(info.value) == (
+        "skip_nonfinite: state['skip'] is a Tensor; it keeps a tree {'total', 'consecutive'} "
+        "there (drop it and call step.prepare to rebuild)"
+    )
+    assert info.value.path == ("skip",)
+
+
+def test_a_missing_skip_counter_is_refused_naming_it() -> None:
+    """A skip tree without 'consecutive' is a StateError at ('skip', 'consecutive')."""
+    from purestep.step import _counters
+
+    state = TensorDict({"skip": {"total": torch.zeros((), dtype=torch.int64)}})
+    with pytest.raises(errors.StateError, match=r"state\['skip', 'consecutive'\]") as info:
+        _counters.add_skip_counters(state)
+    assert info.value.path == ("skip", "consecutive")
+
+
+def test_all_finite_checks_only_grad_norms_and_floating_loss_metrics() -> None:
+    """A non-finite non-loss metric is ignored; a loss alone (no norms) is checked; with nothing
+    to check the answer is a 0-dim bool True."""
+    from purestep.step import _counters
+
+    nan = torch.tensor(float("nan"))
+    one = torch.tensor(1.0)
+    other = TensorDict({"s": {"loss": one, "abs_err": nan}})
+    assert bool(_counters.all_finite(other, {"s": one}))
+    assert bool(_counters.all_finite(TensorDict({"s": {"loss": one}}), {}))
+    assert not bool(_counters.all_finite(TensorDict({"s": {"loss": nan}}), {}))
+    empty = _counters.all_finite(TensorDict({"n": torch.tensor(3)}), {})
+    assert empty.dtype == torch.bool and empty.shape == () and bool(empty)
+
+
+def test_a_skipped_step_reports_skipped_as_a_0_dim_bool() -> None:
+    """skip_update sets metrics['skipped'] to a 0-dim bool True and counts the skip."""
+    from purestep.step import _counters
+
+    state = _counters.add_skip_counters(TensorDict({"step": torch.tensor(4)}))
+    out, m = _counters.skip_update(state, TensorDict({}), donate=False, max_consecutive=None)
+    assert m["skipped"].dtype == torch.bool and m["skipped"].shape == ()
+    assert bool(m["skipped"])
+    assert (int(out["step"]), int(out["skip", "total"]), int(out["skip", "consecutive"])) == (
+        5,
+        1,
+        1,
+    )

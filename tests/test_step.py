@@ -206,6 +206,144 @@ def test_accumulate_with_more_microbatches_than_samples_is_an_error() -> None:
         gf(params, _batch(0, 3), rng.key(0))
 
 
+def _recording_grad_fn(calls: list[dict[str, Any]]) -> Any:
+    """A list-grads grad_fn (not value_and_grad): g = sum(x) per leaf, metrics of the microbatch."""
+
+    def grad_fn(
+        params: TensorDictBase, batch: TensorDictBase, key: torch.Tensor, **kw: Any
+    ) -> tuple[TensorDict, TensorDict]:
+        mb = ps.current_microbatch()
+        calls.append({**kw, "mb": (mb.index, mb.count, mb.weight), "n": batch.batch_size[0]})
+        s = batch["x"].sum()
+        g = TensorDict(
+            {"s": {"w": torch.full((2,), float(s)), "v": torch.tensor(2.0 * float(s))}}, []
+        )
+        m = TensorDict(
+            {
+                "loss": batch["x"].mean(),
+                "f64": batch["x"].to(torch.float64).mean(),
+                "count": torch.tensor(batch.batch_size[0]),
+            },
+            [],
+        )
+        return g, m
+
+    return grad_fn
+
+
+def test_accumulate_passes_roles_buffers_donate_and_the_microbatch_context() -> None:
+    """Every microbatch call gets roles, buffers and donate (only when set) and its Microbatch."""
+    params = TensorDict({"s": {"w": torch.zeros(2), "v": torch.zeros(())}}, [])
+    buffers = TensorDict({"s": {"b": torch.zeros(1)}}, [])
+    batch = TensorDict({"x": torch.arange(7.0)}, [7])
+    for k in (1, 3):
+        for donate in (False, True):
+            calls: list[dict[str, Any]] = []
+            gf = ps.accumulate(_recording_grad_fn(calls), k)
+            kw: dict[str, Any] = {"donate": True} if donate else {}
+            gf(params, batch, rng.key(0), roles=["s"], buffers=buffers, **kw)
+            sizes = [7] if k == 1 else [3, 2, 2]
+            assert [c["n"] for c in calls] == sizes
+            for c in calls:
+                assert c["roles"] == ["s"]
+                assert c["buffers"] is buffers
+                assert c.get("donate", "absent") == (True if donate else "absent")
+            if k == 3:
+                assert [c["mb"] for c in calls] == [(i, 3, n / 7) for i, n in enumerate(sizes)]
+
+
+def test_accumulated_list_grads_and_metrics_are_the_size_weighted_means() -> None:
+    """Uneven microbatches (3, 2, 2 of B=7): grads and every metric are weighted by n_i / B;
+    float64 metrics keep their dtype, integer ones become float32 means."""
+    params = TensorDict({"s": {"w": torch.zeros(2), "v": torch.zeros(())}}, [])
+    x = torch.tensor([1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0])
+    batch = TensorDict({"x": x}, [7])
+    g, m = ps.accumulate(_recording_grad_fn([]), 3)(params, batch, rng.key(0))
+    # microbatch sums 7, 24, 96 weighted 3/7, 2/7, 2/7
+    want = (7 * 3 + 24 * 2 + 96 * 2) / 7
+    torch.testing.assert_close(g["s", "w"], torch.full((2,), want))
+    torch.testing.assert_close(g["s", "v"], torch.tensor(2 * want))
+    torch.testing.assert_close(m["loss"], x.mean())
+    assert m["f64"].dtype == torch.float64
+    torch.testing.assert_close(m["f64"], x.to(torch.float64).mean())
+    assert m["count"].dtype == torch.float32
+    torch.testing.assert_close(m["count"], torch.tensor((3 * 3 + 2 * 2 + 2 * 2) / 7))
+
+
+def test_accumulated_integer_metrics_are_float32_under_a_float64_default_dtype() -> None:
+    """An integer metric is averaged in float32, whatever the default dtype."""
+    params = TensorDict({"s": {"w": torch.zeros(2), "v": torch.zeros(())}}, [])
+    batch = TensorDict({"x": torch.arange(4.0)}, [4])
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        _, m = ps.accumulate(_recording_grad_fn([]), 2)(params, batch, rng.key(0))
+    finally:
+        torch.set_default_dtype(old)
+    assert m["count"].dtype == torch.float32
+    torch.testing.assert_close(m["count"], torch.tensor(2.0))
+
+
+def test_accumulate_argument_errors_have_whole_messages() -> None:
+    """A non-callable grad_fn, k = 0 and microbatch_sizes(b, 0) are refused with their messages."""
+    with pytest.raises(
+        TypeError,
+        match=r"^accumulate: grad_fn is a int, not callable; pass value_and_grad\(loss_fn\)$",
+    ):
+        ps.accumulate(3, 2)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"^accumulate: k must be a positive int, got 0$"):
+        ps.accumulate(_recording_grad_fn([]), 0)
+    with pytest.raises(ValueError, match=r"^accumulate: k must be >= 1, got 0$"):
+        ps.step.microbatch_sizes(5, 0)
+    with pytest.raises(
+        errors.BatchError,
+        match=r"^accumulate: batch of 3 samples cannot be split into k=4 microbatches$",
+    ):
+        ps.step.microbatch_sizes(3, 4)
+
+
+_CHANGED = (
+    r"^accumulate: the grads of role 's' are not the ones value_and_grad accumulated \(a wrapper "
+    r"between accumulate and value_and_grad changed them per microbatch\); transform gradients "
+    r"after accumulate, e.g. in the optimizer chain$"
+)
+
+
+def test_accumulate_refuses_value_and_grad_grads_a_wrapper_dropped_a_leaf_of() -> None:
+    """A wrapper that drops a leaf of value_and_grad's grads per microbatch is named, not summed."""
+    net = nn.Linear(2, 1)
+    params = TensorDict({"s": ps.params_of("s", net)}, [])
+    inner = ps.value_and_grad(lambda p, b, k: (ps.call(net, p["s"], b["x"]).mean(), {}))
+
+    def dropping(p: TensorDictBase, b: TensorDictBase, k: torch.Tensor, **kw: Any) -> Any:
+        g, m = inner(p, b, k, **kw)
+        return g.exclude(tree.paths(g)[-1]), m
+
+    batch = TensorDict({"x": torch.randn(4, 2)}, [4])
+    with pytest.raises(RuntimeError, match=_CHANGED):
+        ps.accumulate(dropping, 2)(params, batch, rng.key(0))
+
+
+def test_accumulate_refuses_a_role_summed_both_in_grad_and_as_lists() -> None:
+    """A role whose grads come from value_and_grad on one microbatch and elsewhere on another."""
+    net = nn.Linear(2, 1)
+    params = TensorDict({"s": ps.params_of("s", net)}, [])
+    inner = ps.value_and_grad(lambda p, b, k: (ps.call(net, p["s"], b["x"]).mean(), {}))
+
+    def switching(p: TensorDictBase, b: TensorDictBase, k: torch.Tensor, **kw: Any) -> Any:
+        if ps.current_microbatch().index == 0:
+            return TensorDict({"s": p["s"].apply(torch.ones_like)}, []), TensorDict({}, [])
+        return inner(p, b, k, **kw)
+
+    batch = TensorDict({"x": torch.randn(4, 2)}, [4])
+    with pytest.raises(
+        RuntimeError,
+        match=r"^accumulate: role 's' got gradients both through value_and_grad's accumulation "
+        r"and from another grad_fn$",
+    ):
+        ps.accumulate(switching, 2)(params, batch, rng.key(0))
+
+
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_train_step_is_accumulation_invariant_for_every_optimizer(name: str) -> None:
     """Three train steps with accumulate(k) match k=1 for k in 2, 3, 4 (B=12)."""
