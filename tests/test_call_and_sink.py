@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -199,6 +200,31 @@ def test_accumulate_through_a_wrapper_that_rebuilds_params_each_call_sums_every_
         got, _ = ps.accumulate(rebuilding, k)(params, batch, torch.tensor(0), roles=["s"])
         for key in want.keys(True, True):
             assert torch.equal(got[key], want[key]), (k, key)
+
+
+def test_accumulate_refuses_a_wrapper_that_changes_a_roles_params_count_between_microbatches() -> (
+    None
+):
+    """A grad_fn wrapper giving a role one more param on later microbatches than on the first
+    cannot be summed leaf by leaf: accumulate refuses it, naming the role and both counts."""
+    s, _t, params, batch = _setup()
+
+    def loss_fn(p: TensorDictBase, b: TensorDictBase, key: torch.Tensor) -> Any:
+        return ((ps.call(s, p["s"], b["x"]) - b["y"]) ** 2).mean(), {}
+
+    inner = ps.value_and_grad(loss_fn)
+    calls: list[int] = [0]
+
+    def growing(p: TensorDictBase, b: TensorDictBase, key: torch.Tensor, **kw: Any) -> Any:
+        fresh = TensorDict({r: p[r].apply(lambda x: x) for r in p.keys()}, [])
+        if calls[0]:
+            fresh["s", "extra"] = torch.zeros(1)
+        calls[0] += 1
+        return inner(fresh, b, key, **kw)
+
+    message = "accumulate: role 's' has 7 params on this microbatch, 6 on earlier ones"
+    with pytest.raises(ValueError, match=re.escape(message) + "$"):
+        ps.accumulate(growing, 2)(params, batch, torch.tensor(0), roles=["s"])
 
 
 class Counting(nn.Module):
