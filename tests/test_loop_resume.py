@@ -174,3 +174,170 @@ def test_run_never_replaces_a_checkpoint_another_job_wrote(tmp_path: Path) -> No
     with pytest.raises(ValueError, match="later checkpoints"):
         _run(other, 6, resume=ckpt.step_dir(other, 2))
     assert _listing(ckpt.step_dir(other, 4)) == before
+
+
+# -- resume by path: which checkpoints in checkpoint_dir count as later ------------------------
+
+
+def _refused(resume: Path, at: int, root: Path, names: list[str]) -> str:
+    """The whole ValueError message of a resume path refused for the later ``names``."""
+    return (
+        f"run: resume={str(resume)!r} is at step {at}, but checkpoint_dir {str(root)!r} holds "
+        f"later checkpoints ({', '.join(names)}); resuming there would replace them and drop "
+        f"their metric records. To branch from step {at}, pass a new checkpoint_dir (resume may "
+        "point into this one); to continue the run, pass resume='latest'"
+    )
+
+
+def _damaged_copy(src: Path, dst: Path) -> None:
+    """A damaged checkpoint at ``dst``: ``src`` copied, its data file truncated by one byte."""
+    shutil.copytree(src, dst)
+    os.truncate(dst / DATA_FILE, (dst / DATA_FILE).stat().st_size - 1)
+
+
+@pytest.mark.parametrize(
+    ("name", "later"),
+    [
+        ("step_00000006", True),  # the loop's own name, a later step
+        ("step_6", True),  # unpadded, still a later step
+        ("step_4", False),  # the step resumed from is not later
+        ("step_x6", False),  # not digits after step_
+        ("best_00000009", False),  # not step_: never the loop's
+    ],
+)
+def test_resume_by_path_is_refused_only_for_a_damaged_checkpoint_named_at_a_later_step(
+    tmp_path: Path, name: str, later: bool
+) -> None:
+    """A damaged (incomplete) directory in checkpoint_dir blocks resume=<path at step 4> exactly
+    when it is named step_<digits> with a step after 4; the error names it and says how to branch
+    or continue; otherwise the run resumes (and, at num_steps, returns the checkpoint's state)."""
+    d = tmp_path / "run"
+    _run(d, 4)
+    _damaged_copy(ckpt.step_dir(d, 4), d / name)
+    assert [p.name for p, _ in ckpt.damaged(d)] == [name]
+    resume = ckpt.step_dir(d, 4)
+    if later:
+        with pytest.raises(ValueError, match=re.escape(_refused(resume, 4, d, [name])) + "$"):
+            _run(d, 4, resume=resume)
+    else:
+        out = _run(d, 4, resume=resume)
+        assert_trees_equal(out, _reference(tmp_path, 4), what="resumed at num_steps")
+
+
+def test_resume_by_path_from_the_newest_step_or_a_copy_of_it_continues(tmp_path: Path) -> None:
+    """Older checkpoints, and a checkpoint at the very step resumed from (resume is a copy of
+    it elsewhere), are not later: both resumes continue to the uninterrupted final state."""
+    d = tmp_path / "run"
+    _run(d, 4)
+    backup = tmp_path / "backup" / "step_00000004"
+    shutil.copytree(ckpt.step_dir(d, 4), backup)
+    out = _run(d, 6, resume=ckpt.step_dir(d, 4))
+    assert_trees_equal(out, _reference(tmp_path, 6), what="resumed from the newest by path")
+    other = tmp_path / "other"
+    _run(other, 4)
+    out = _run(other, 6, resume=backup)
+    assert_trees_equal(out, _reference(tmp_path, 6), what="resumed from a copy of step 4")
+
+
+def test_a_resume_checkpoint_without_a_step_counts_as_step_minus_one(tmp_path: Path) -> None:
+    """A checkpoint saved by hand without a 'step' counter is at step -1 for the later-checkpoint
+    check: resuming from it into a dir that holds step_00000002 is refused, naming both."""
+    d = tmp_path / "run"
+    _run(d, 2)
+    hand = tmp_path / "hand"
+    ckpt.save(TensorDict({"w": torch.zeros(2)}, []), hand)
+    assert ckpt.read_metadata(hand)["step"] is None
+    with pytest.raises(ValueError, match=re.escape(_refused(hand, -1, d, ["step_00000002"])) + "$"):
+        _run(d, 4, resume=hand)
+
+
+def test_resume_none_runs_without_a_dir_and_refuses_a_dir_holding_checkpoints(
+    tmp_path: Path,
+) -> None:
+    """resume=None without checkpoint_dir trains from scratch; with a checkpoint_dir that holds
+    checkpoints it raises, naming the dir and the newest checkpoint and how to continue."""
+    step, state = _model()
+    out = loop.run(step, snapshot(state), _batches(3), num_steps=4, resume=None, progress=False)
+    assert_trees_equal(out, _reference(tmp_path, 4), what="resume=None, no checkpoint_dir")
+    d = tmp_path / "run"
+    _run(d, 4)
+    message = (
+        f"run: checkpoint_dir {str(d)!r} already holds checkpoints (newest: step_00000004) and "
+        "resume=None; pass resume='latest' to continue that run, or use a fresh directory"
+    )
+    with pytest.raises(ValueError, match=re.escape(message) + "$"):
+        _run(d, 6, resume=None)
+
+
+def test_a_resume_that_is_no_path_or_no_checkpoint_is_named_with_its_details(
+    tmp_path: Path,
+) -> None:
+    """resume=3: TypeError naming it. resume=<a directory without metadata.json>: the checkpoint
+    error, its message prefixed with the resume value, keeping its path and file."""
+    with pytest.raises(TypeError) as t:
+        _run(tmp_path / "run", 2, resume=3)
+    assert str(t.value) == "run: resume must be 'latest', None or a path, got 3"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ckpt.CheckpointNotFoundError) as e:
+        _run(tmp_path / "run", 2, resume=empty)
+    assert str(e.value) == (
+        f"run: resume={str(empty)!r} is not a checkpoint: not a purestep checkpoint: {empty} "
+        f"(no {ckpt.METADATA_FILE})"
+    )
+    assert (e.value.path, e.value.file, e.value.key) == (empty, ckpt.METADATA_FILE, None)
+
+
+# -- resume='latest' over several damaged checkpoints --------------------------------------------
+
+
+def test_resume_latest_names_every_damaged_checkpoint_once(tmp_path: Path) -> None:
+    """Two incomplete checkpoints: with an intact one left, one warning (at the caller's line)
+    lists both with their problems; with none left, CheckpointCorruptError names both and the
+    directory (its path attribute)."""
+    d = tmp_path / "run"
+    _run(d, 6)
+    for s in (4, 6):
+        f = ckpt.step_dir(d, s) / DATA_FILE
+        os.truncate(f, f.stat().st_size - 1)
+    why = {int(p.name[5:]): reason for p, reason in ckpt.damaged(d)}
+    with pytest.warns(UserWarning, match="skips damaged") as caught:
+        _run(d, 2)
+    skips = [w for w in caught if "skips damaged" in str(w.message)]
+    assert [str(w.message) for w in skips] == [
+        "run: resume='latest' skips damaged or incomplete checkpoints: "
+        f"step_00000004 ({why[4]}); step_00000006 ({why[6]})"
+    ]
+    assert skips[0].filename == __file__
+    shutil.rmtree(ckpt.step_dir(d, 2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(ckpt.CheckpointCorruptError) as e:
+            _run(d, 8)
+    assert str(e.value) == (
+        f"run: resume='latest': no intact checkpoint in {str(d)!r}, only damaged ones "
+        "(step_00000004, step_00000006); move them away to start afresh"
+    )
+    assert e.value.path == d
+
+
+def test_resume_latest_raises_the_oldest_error_when_every_checkpoint_fails_to_load(
+    tmp_path: Path,
+) -> None:
+    """Bit flips in both checkpoints (sizes intact, so both are offered): the newest is skipped
+    with a warning, and the oldest one's load error is raised (it names that checkpoint)."""
+    d = tmp_path / "run"
+    _run(d, 4)
+    for s in (2, 4):
+        f = ckpt.step_dir(d, s) / DATA_FILE
+        _flip(f, f.stat().st_size // 2)
+    with (
+        pytest.warns(UserWarning, match="skips damaged checkpoint") as caught,
+        pytest.raises(ckpt.CheckpointCorruptError) as e,
+    ):
+        _run(d, 6)
+    assert e.value.path == ckpt.step_dir(d, 2), str(e.value)
+    skipped = [str(w.message) for w in caught if "skips damaged checkpoint" in str(w.message)]
+    assert len(skipped) == 1 and skipped[0].startswith(
+        "run: resume='latest' skips damaged checkpoint step_00000004: "
+    ), skipped
