@@ -3,10 +3,12 @@ them), and resuming from an older checkpoint never deletes newer checkpoints or 
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +19,7 @@ from tensordict import TensorDict
 import purestep as ps
 from purestep import checkpoint as ckpt
 from purestep import loop
+from purestep.distributed import _ckpt_integrity
 from purestep.testing import assert_trees_equal, snapshot
 
 DATA_FILE = "__0_0.distcp"
@@ -70,6 +73,16 @@ def _listing(d: Path) -> dict[str, bytes]:
 def _assert_warned(caught: Any, pattern: str) -> None:
     messages = [str(w.message) for w in caught]
     assert any(re.search(pattern, m) for m in messages), (pattern, messages)
+
+
+def _assert_at_callers_line(w: Any) -> None:
+    """A loop warning is attributed to the caller of ``run`` (this file's helpers), not to purestep.
+
+    Not checked under mutmut (``MUTANT_UNDER_TEST`` set): its trampolines add frames to every
+    call of a mutated function, so no stack level points here then, not even the original's.
+    """
+    if "MUTANT_UNDER_TEST" not in os.environ:
+        assert w.filename == __file__, (w.filename, w.lineno)
 
 
 def _flip(path: Path, offset: int) -> None:
@@ -308,7 +321,7 @@ def test_resume_latest_names_every_damaged_checkpoint_once(tmp_path: Path) -> No
         "run: resume='latest' skips damaged or incomplete checkpoints: "
         f"step_00000004 ({why[4]}); step_00000006 ({why[6]})"
     ]
-    assert skips[0].filename == __file__
+    _assert_at_callers_line(skips[0])
     shutil.rmtree(ckpt.step_dir(d, 2))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -341,3 +354,206 @@ def test_resume_latest_raises_the_oldest_error_when_every_checkpoint_fails_to_lo
     assert len(skipped) == 1 and skipped[0].startswith(
         "run: resume='latest' skips damaged checkpoint step_00000004: "
     ), skipped
+
+
+# -- restoring the data position -----------------------------------------------------------------
+
+
+class _StatefulBatches:
+    """``_batches(3)`` each pass, with the position inside a pass in ``state_dict()``."""
+
+    def __init__(self) -> None:
+        self.next_i = 0
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        batches = _batches(3)
+        while self.next_i < len(batches):
+            self.next_i += 1
+            yield batches[self.next_i - 1]
+        self.next_i = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"next_i": self.next_i}
+
+    def load_state_dict(self, sd: dict[str, int]) -> None:
+        self.next_i = sd["next_i"]
+
+
+def _run_data(d: Path, num_steps: int, data: Any, **kw: Any) -> Any:
+    step, state = _model()
+    return loop.run(
+        step, snapshot(state), data, num_steps=num_steps, checkpoint_dir=d, progress=False, **kw
+    )
+
+
+def _loop_warnings(caught: Any) -> list[Any]:
+    return [w for w in caught if str(w.message).startswith("checkpoint ")]
+
+
+@pytest.mark.parametrize("saved_with", ["stateful", "list"])
+def test_resuming_across_stateful_and_plain_data_skips_batches_and_says_so(
+    tmp_path: Path, saved_with: str
+) -> None:
+    """A checkpoint with a loader state resumed with plain data, or one without resumed with
+    stateful data: one warning naming the checkpoint and the fallback (skipping batches), and
+    the run ends where an uninterrupted one does."""
+    d = tmp_path / "run"
+    first, then = (_StatefulBatches(), _batches(3))
+    if saved_with == "list":
+        first, then = then, first
+    _run_data(d, 4, first, save_every=2)
+    path = ckpt.step_dir(d, 4)
+    with pytest.warns(UserWarning, match="by skipping batches instead") as caught:
+        out = _run_data(d, 6, then)
+    if saved_with == "stateful":
+        want = (
+            f"checkpoint {path} holds a data loader state, but data has no load_state_dict(); "
+            "restoring the position by skipping batches instead"
+        )
+    else:
+        want = (
+            f"checkpoint {path} holds no data loader state; restoring the position of the "
+            "stateful data by skipping batches instead"
+        )
+    assert [str(w.message) for w in _loop_warnings(caught)] == [want]
+    _assert_at_callers_line(_loop_warnings(caught)[0])
+    assert_trees_equal(out, _reference(tmp_path, 6), what=f"saved with {saved_with} data")
+
+
+@pytest.mark.parametrize("fields", ["world_size", "world_size,per_rank_keys,metadata"])
+def test_a_checkpoint_of_another_world_size_resumes_by_skipping_and_says_so(
+    tmp_path: Path, fields: str
+) -> None:
+    """metadata.json says world size 2 (this run has 1): the per-rank data positions do not
+    apply; one warning names both sizes and the batches skipped, and the run ends where an
+    uninterrupted one does. The same without the optional per_rank_keys and metadata fields
+    (a checkpoint written by another writer)."""
+    d = tmp_path / "run"
+    _run(d, 4, save_every=4)
+    path = ckpt.step_dir(d, 4)
+    md = json.loads((path / ckpt.METADATA_FILE).read_bytes())
+    md["world_size"] = 2
+    for drop in fields.split(",")[1:]:
+        del md[drop]
+    (path / ckpt.METADATA_FILE).write_bytes(_ckpt_integrity.seal(md))
+    with pytest.warns(UserWarning, match="world size 2") as caught:
+        out = _run(d, 6)
+    assert [str(w.message) for w in _loop_warnings(caught)] == [
+        f"checkpoint {path} was saved on world size 2, not 1: its per-rank data positions do "
+        "not apply; skipping 4 batches from the start of data instead"
+    ]
+    _assert_at_callers_line(_loop_warnings(caught)[0])
+    assert_trees_equal(out, _reference(tmp_path, 6), what="resumed across world sizes")
+
+
+def test_a_checkpoint_with_other_keys_keeps_its_path_in_the_error(tmp_path: Path) -> None:
+    """The mismatch error of a resume is re-raised with the resume's context and the original
+    error's path and key attributes."""
+    d = tmp_path / "run"
+    _run(d, 2)
+    step, state = _model()
+    opt = {"m": ps.optim.adamw(1e-2)}
+    state = ps.init_state({"m": state["params", "m"].set("w3", torch.zeros(2))}, opt, seed=3)
+    with pytest.raises(ckpt.CheckpointMismatchError) as e:
+        loop.run(step, state, _batches(3), num_steps=4, checkpoint_dir=d, progress=False)
+    assert str(e.value).startswith(f"run: cannot resume from {ckpt.step_dir(d, 2)}: checkpoint ")
+    assert e.value.path == ckpt.step_dir(d, 2)
+
+
+def test_resuming_never_writes_into_the_state_passed_to_run(tmp_path: Path) -> None:
+    """run is functional on resume too: the state passed in (its structure is all that is used)
+    is unchanged, with the usual params and with a state that has no params at all."""
+    d = tmp_path / "run"
+    _run(d, 2)
+    step, state = _model()
+    before = snapshot(state)
+    _run_state = loop.run(step, state, _batches(3), num_steps=4, checkpoint_dir=d, progress=False)
+    assert_trees_equal(state, before, what="the state passed to a resumed run")
+    assert int(_run_state["step"]) == 4
+
+    def count(st: Any, batch: Any) -> Any:
+        return st.set("step", st["step"] + 1).set("w", st["w"] + batch["x"].sum()), {}
+
+    plain = TensorDict({"step": torch.tensor(0), "w": torch.zeros(())}, [])
+    e = tmp_path / "plain"
+    loop.run(count, plain.clone(), _batches(3), num_steps=2, checkpoint_dir=e, progress=False)
+    kept = plain.clone()
+    out = loop.run(count, plain, _batches(3), num_steps=3, checkpoint_dir=e, progress=False)
+    assert_trees_equal(plain, kept, what="a params-less state passed to a resumed run")
+    assert int(out["step"]) == 3
+
+
+# -- pending metrics in a hand-made checkpoint's metadata --------------------------------------
+
+
+def test_pending_metrics_of_a_hand_saved_checkpoint(tmp_path: Path) -> None:
+    """A checkpoint saved by hand whose metadata has another 'loop' value resumes (no pending
+    metrics); a metadata.loop.pending_metrics that is not a mapping is refused, naming it."""
+    _, state = _model()
+    odd, bad = tmp_path / "odd", tmp_path / "bad"
+    ckpt.save(state, odd, metadata={"loop": 3})
+    ckpt.save(state, bad, metadata={"loop": {"pending_metrics": [1, 2]}})
+    out = _run(tmp_path / "a", 2, resume=odd)
+    assert_trees_equal(out, _reference(tmp_path, 2), what="resumed from a hand-saved step 0")
+    message = f"checkpoint {bad}: metadata.loop.pending_metrics is not a mapping: [1, 2]"
+    with pytest.raises(ckpt.CheckpointFormatError, match=re.escape(message) + "$"):
+        _run(tmp_path / "b", 2, resume=bad)
+
+
+# -- saving: the checkpoint dir, a damaged checkpoint in the way, the metadata ------------------
+
+
+def test_checkpoint_dir_parents_are_created_and_an_unwritable_one_is_named(tmp_path: Path) -> None:
+    """checkpoint_dir under missing parents is created; under a regular file it is not writable:
+    OSError naming it, with the cause's message."""
+    nested = tmp_path / "a" / "b" / "run"
+    _run(nested, 2)
+    assert ckpt.checkpoints(nested) == [ckpt.step_dir(nested, 2)]
+    (tmp_path / "file").write_text("")
+    under = tmp_path / "file" / "run"
+    with pytest.raises(OSError, match=r"is not writable") as e:
+        _run(under, 2)
+    assert (
+        str(e.value) == f"run: checkpoint_dir {str(under)!r} is not writable: {e.value.__cause__}"
+    )
+
+
+def test_the_checkpoint_metadata_records_the_batches_consumed(tmp_path: Path) -> None:
+    """metadata.loop of a loop checkpoint holds the data position (batches consumed)."""
+    d = tmp_path / "run"
+    _run(d, 4)
+    assert ckpt.read_metadata(ckpt.step_dir(d, 4))["metadata"] == {"loop": {"batches_consumed": 4}}
+
+
+def test_a_damaged_checkpoint_in_the_way_is_renamed_with_its_reason(tmp_path: Path) -> None:
+    """A bit-flipped checkpoint at a step saved again is renamed <name>.damaged-<12 hex> with a
+    warning (at the caller's line) naming both names and verify's error."""
+    d = tmp_path / "run"
+    _run(d, 6)
+    newest = ckpt.step_dir(d, 6)
+    _flip(newest / DATA_FILE, (newest / DATA_FILE).stat().st_size // 2)
+    with pytest.raises(ckpt.CheckpointCorruptError) as verified:
+        ckpt.verify(newest)
+    with pytest.warns(UserWarning, match="renamed the damaged") as caught:
+        _run(d, 6)
+    (aside,) = [p.name for p in d.iterdir() if ".damaged-" in p.name]
+    assert re.fullmatch(r"step_00000006\.damaged-[0-9a-f]{12}", aside), aside
+    renamed = [w for w in caught if "renamed the damaged" in str(w.message)]
+    assert [str(w.message) for w in renamed] == [
+        f"run: renamed the damaged checkpoint step_00000006 to {aside} (kept) to save a new "
+        f"step_00000006; it was damaged: {verified.value}"
+    ]
+    _assert_at_callers_line(renamed[0])
+
+
+def test_a_foreign_directory_at_the_save_path_is_refused_and_kept(tmp_path: Path) -> None:
+    """A directory that is not a purestep checkpoint at the path of a save: the save fails with
+    CheckpointExistsError and the directory is left as it was."""
+    d = tmp_path / "run"
+    _run(d, 2)
+    foreign = ckpt.step_dir(d, 4)
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    with pytest.raises(ckpt.CheckpointExistsError):
+        _run(d, 4)
+    assert _listing(foreign) == {"notes.txt": b"mine"}
