@@ -7,6 +7,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -557,3 +558,51 @@ def test_a_foreign_directory_at_the_save_path_is_refused_and_kept(tmp_path: Path
     with pytest.raises(ckpt.CheckpointExistsError):
         _run(d, 4)
     assert _listing(foreign) == {"notes.txt": b"mine"}
+
+
+def test_async_save_writes_the_periodic_checkpoints_in_the_background_and_the_last_in_sync(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """run(async_save=True) asks purestep.checkpoint.save for a background write at each
+    periodic checkpoint and for a synchronous one at the last step and at a preemption's stop;
+    without it, all are sync."""
+    from purestep.distributed import checkpoint as dckpt
+
+    calls: list[tuple[str, bool]] = []
+    real = dckpt.save
+
+    def spy(state: Any, path: Any, **kw: Any) -> Any:
+        calls.append((Path(path).name, kw.get("async_", False)))
+        return real(state, path, **kw)
+
+    monkeypatch.setattr(dckpt, "save", spy)
+    _run(tmp_path / "a", 6, async_save=True)
+    assert calls == [("step_00000002", True), ("step_00000004", True), ("step_00000006", False)]
+    calls.clear()
+    _run(tmp_path / "s", 4)
+    assert calls == [("step_00000002", False), ("step_00000004", False)]
+    calls.clear()
+    step, state = _model()
+
+    def term_after_3(st: Any, batch: Any) -> Any:
+        out = step(st, batch)
+        if int(out[0]["step"]) == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return out
+
+    old = signal.signal(signal.SIGTERM, lambda signum, frame: None)  # not the runner's
+    try:
+        with pytest.raises(loop.Preempted):
+            loop.run(
+                term_after_3,
+                snapshot(state),
+                _batches(3),
+                num_steps=6,
+                checkpoint_dir=tmp_path / "p",
+                save_every=2,
+                async_save=True,
+                progress=False,
+            )
+    finally:
+        signal.signal(signal.SIGTERM, old)
+    assert calls == [("step_00000002", True), ("step_00000003", False)]  # the stop's is sync
