@@ -606,3 +606,44 @@ def test_async_save_writes_the_periodic_checkpoints_in_the_background_and_the_la
     finally:
         signal.signal(signal.SIGTERM, old)
     assert calls == [("step_00000002", True), ("step_00000003", False)]  # the stop's is sync
+
+
+def test_a_state_bound_to_fsdp2_modules_resumes_into_its_modules(tmp_path: Path) -> None:
+    """One gloo rank, the params bound to an FSDP2 module: a run resumed from step 2 loads the
+    checkpoint into the module's own parameters and ends where an uninterrupted run ends."""
+    from _optim import one_rank_mesh
+    from purestep.distributed import fsdp
+
+    def net(seed: int) -> torch.nn.Module:
+        g = torch.Generator().manual_seed(seed)
+        m = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
+        with torch.no_grad():
+            for p in m.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+        return m
+
+    def run_bound(d: Path, num_steps: int) -> Any:
+        m = net(0)
+        opt = {"m": ps.optim.sgd(0.1)}
+
+        def loss_fn(p: Any, b: Any, key: torch.Tensor) -> Any:
+            return ((ps.call(m, p["m"], b["x"]) - b["y"]) ** 2).mean(), {}
+
+        step = ps.train_step(ps.value_and_grad(loss_fn), opt, donate=True)
+        state = ps.init_state({"m": fsdp.bind(m, mesh=mesh)}, opt, seed=3)
+        out = loop.run(
+            step,
+            state,
+            _batches(3),
+            num_steps=num_steps,
+            checkpoint_dir=d,
+            save_every=2,
+            progress=False,
+        )
+        return fsdp.gather(out)
+
+    with one_rank_mesh() as mesh:
+        want = run_bound(tmp_path / "ref", 4)
+        run_bound(tmp_path / "run", 2)
+        got = run_bound(tmp_path / "run", 4)
+    assert_trees_equal(got, want, what="bound state resumed at step 2 vs uninterrupted")
