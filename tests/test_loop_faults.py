@@ -343,3 +343,26 @@ def test_a_timed_out_collective_in_a_step_names_the_rank_the_timeout_and_the_ste
         f"intact. (RuntimeError: {cause})"
     )
     assert e.value.__cause__ is cause
+
+
+def test_on_a_non_gloo_default_group_the_stop_flag_gets_one_gloo_group_per_default_group(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A default group of another backend (as nccl on GPUs; here its name is faked on a one-rank
+    gloo group) gets its own gloo group for the stop flag: made once, reused while the default
+    group lives, and made afresh for a new default group."""
+    from purestep.loop import _signals
+
+    real = dist.get_backend
+    monkeypatch.setattr(_signals, "_group_cache", None)
+    monkeypatch.setattr(
+        _signals.dist, "get_backend", lambda group=None: "nccl" if group is None else real(group)
+    )
+    made = []
+    for _ in range(2):
+        with _one_rank_group():
+            g = _signals._control_group()
+            assert g is not None and real(g) == "gloo"
+            assert _signals._control_group() is g
+            made.append(g)
+    assert made[0] is not made[1]
