@@ -14,6 +14,7 @@ distributed test does the same on two gloo ranks, with the signal reaching one.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
@@ -26,6 +27,8 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
+from tensordict import TensorDict, TensorDictBase
 
 import _loop_worker as worker
 from purestep import checkpoint as ckpt
@@ -206,3 +209,160 @@ def test_two_ranks_stop_together_and_resume_their_own_data(tmp_path: Path) -> No
     assert_trees_equal(ref[1]["state"], ref[0]["state"], what="rank 1 vs rank 0")
     steps = [r["step"] for r in loop.read_metrics(tmp_path / "run" / "metrics.jsonl")]
     assert steps == list(range(1, 9))
+
+
+# -- in-process: signal handlers, the control group and collective timeouts (world size 1) --------
+
+
+def _count(state: TensorDictBase, batch: Any) -> tuple[TensorDictBase, dict[str, Any]]:
+    return state.set("step", state["step"] + 1).set("w", state["w"] + batch["x"].sum()), {}
+
+
+def _count_state() -> TensorDict:
+    return TensorDict({"step": torch.tensor(0), "w": torch.zeros(())}, [])
+
+
+_ONES = [{"x": torch.ones(2)}]
+
+
+@pytest.fixture
+def own_handlers() -> Iterator[dict[int, list[int]]]:
+    """SIGINT and SIGTERM handled by recording functions of this test (whatever the runner had:
+    mutmut's workers ignore SIGINT and exit on SIGTERM); the runner's handlers come back after."""
+    seen: dict[int, list[int]] = {signal.SIGINT: [], signal.SIGTERM: []}
+    old = {s: signal.getsignal(s) for s in seen}
+    for s in seen:
+        signal.signal(s, lambda signum, frame: seen[signum].append(signum))
+    try:
+        yield seen
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+@contextlib.contextmanager
+def _one_rank_group() -> Iterator[None]:
+    """A gloo process group of world size 1 in this process (skips if there is one already)."""
+    if not dist.is_available() or dist.is_initialized():
+        pytest.skip("needs torch.distributed and no process group in this process")
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+class _SignalAt:
+    """``_count``, sending ``sig`` to this process after step ``at``."""
+
+    def __init__(self, at: int, sig: int) -> None:
+        self.at, self.sig = at, sig
+
+    def __call__(self, state: TensorDictBase, batch: Any) -> tuple[TensorDictBase, dict[str, Any]]:
+        out, metrics = _count(state, batch)
+        if int(out["step"]) == self.at:
+            os.kill(os.getpid(), self.sig)
+        return out, metrics
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_run_catches_the_first_signal_and_gives_back_the_callers_handlers(
+    own_handlers: dict[int, list[int]], sig: int
+) -> None:
+    """Inside run the first SIGTERM/SIGINT is run's (Preempted after that step), not the
+    caller's handler; after run the caller's own handlers of both signals are back."""
+    before = {s: signal.getsignal(s) for s in own_handlers}
+    with pytest.raises(loop.Preempted) as e:
+        loop.run(_SignalAt(2, sig), _count_state(), _ONES, num_steps=5, progress=False)
+    assert (e.value.step, e.value.code) == (2, 128 + sig)
+    assert own_handlers == {signal.SIGINT: [], signal.SIGTERM: []}
+    assert {s: signal.getsignal(s) for s in own_handlers} == before
+
+
+def test_a_stop_signal_polls_zero_until_entered_and_can_be_entered_again(
+    own_handlers: dict[int, list[int]],
+) -> None:
+    """StopSignal before its context: no signal. Entered twice in a row, each exit gives the
+    previous handlers back, and each context catches its own signal."""
+    from purestep.loop._signals import StopSignal
+
+    before = {s: signal.getsignal(s) for s in own_handlers}
+    stop = StopSignal()
+    assert stop.poll() == 0
+    for _ in range(2):
+        with stop:
+            os.kill(os.getpid(), signal.SIGTERM)
+            assert stop.poll() == signal.SIGTERM
+        assert {s: signal.getsignal(s) for s in own_handlers} == before
+    assert own_handlers == {signal.SIGINT: [], signal.SIGTERM: []}
+
+
+def test_on_a_gloo_default_group_the_stop_flag_needs_no_group_of_its_own(
+    own_handlers: dict[int, list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """World size 1 on gloo: the control group for the stop flag is the default group (None),
+    asked for again it is the cached answer; run still stops on SIGTERM after that step."""
+    from purestep.loop import _signals
+
+    monkeypatch.setattr(_signals, "_group_cache", None)
+    with _one_rank_group():
+        assert _signals._control_group() is None
+        assert _signals._control_group() is None
+        with pytest.raises(loop.Preempted) as e:
+            loop.run(
+                _SignalAt(3, signal.SIGTERM), _count_state(), _ONES, num_steps=5, progress=False
+            )
+        assert e.value.step == 3
+
+
+@pytest.mark.parametrize("known", [True, False], ids=["timeout_known", "timeout_unknown"])
+def test_a_timed_out_collective_in_a_step_names_the_rank_the_timeout_and_the_step(
+    monkeypatch: pytest.MonkeyPatch, known: bool
+) -> None:
+    """With a process group (gloo, world size 1), a step failing with gloo's timeout error
+    raises CollectiveTimeoutError naming rank, world size, the timeout in force
+    (collective_timeout=7: '7 s'; 'unknown' when the group's timeout cannot be read) and the
+    step, with torch's error as the cause."""
+    from purestep.distributed import timeouts
+
+    cause = RuntimeError("Timed out waiting 7000ms for recv operation to complete")
+
+    def stuck(state: TensorDictBase, batch: Any) -> Any:
+        if int(state["step"]) == 1:
+            raise cause
+        return _count(state, batch)
+
+    if not known:
+        monkeypatch.setattr(timeouts, "get_timeout", lambda group=None: None)
+    with _one_rank_group(), pytest.raises(loop.CollectiveTimeoutError) as e:
+        loop.run(stuck, _count_state(), _ONES, num_steps=3, progress=False, collective_timeout=7)
+    assert str(e.value) == (
+        "run: rank 0 of 1 waited longer than the collective timeout "
+        f"({'7 s' if known else 'unknown'}) for the other ranks in step 2 (state['step'] was 1): "
+        "another rank is stuck (or far slower). Stopping; the newest complete checkpoint is "
+        f"intact. (RuntimeError: {cause})"
+    )
+    assert e.value.__cause__ is cause
+
+
+def test_on_a_non_gloo_default_group_the_stop_flag_gets_one_gloo_group_per_default_group(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A default group of another backend (as nccl on GPUs; here its name is faked on a one-rank
+    gloo group) gets its own gloo group for the stop flag: made once, reused while the default
+    group lives, and made afresh for a new default group."""
+    from purestep.loop import _signals
+
+    real = dist.get_backend
+    monkeypatch.setattr(_signals, "_group_cache", None)
+    monkeypatch.setattr(
+        _signals.dist, "get_backend", lambda group=None: "nccl" if group is None else real(group)
+    )
+    made = []
+    for _ in range(2):
+        with _one_rank_group():
+            g = _signals._control_group()
+            assert g is not None and real(g) == "gloo"
+            assert _signals._control_group() is g
+            made.append(g)
+    assert made[0] is not made[1]

@@ -187,13 +187,13 @@ def restore(path: Path, state: TensorDictBase, stream: DataStream) -> TensorDict
                 warnings.warn(
                     f"checkpoint {path} holds a data loader state, but data has no "
                     "load_state_dict(); restoring the position by skipping batches instead",
-                    stacklevel=3,
+                    stacklevel=4,
                 )
         elif stream.stateful:
             warnings.warn(
                 f"checkpoint {path} holds no data loader state; restoring the position of the "
                 "stateful data by skipping batches instead",
-                stacklevel=3,
+                stacklevel=4,
             )
         epoch = int(vals.get((LOOP_KEY, "epoch")))
         stream.restore(consumed, epoch, int(vals.get((LOOP_KEY, "position"))), data_state)
@@ -203,7 +203,7 @@ def restore(path: Path, state: TensorDictBase, stream: DataStream) -> TensorDict
                 f"checkpoint {path} was saved on world size {md.get('world_size')}, not "
                 f"{_world()}: its per-rank data positions do not apply; skipping {consumed} "
                 "batches from the start of data instead",
-                stacklevel=3,
+                stacklevel=4,
             )
         stream.skip(consumed)
     return loaded
