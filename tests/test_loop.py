@@ -3,6 +3,7 @@ position, metrics and sinks, preemption by SIGINT, bad inputs; and ``purestep.pl
 
 from __future__ import annotations
 
+import datetime
 import importlib.util
 import json
 import os
@@ -15,7 +16,7 @@ from typing import Any, ClassVar
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from tensordict import TensorDict, TensorDictBase
 
@@ -1323,3 +1324,470 @@ def test_an_error_in_a_sinks_start_propagates_unchanged() -> None:
 
     with pytest.raises(RuntimeError, match="sink cannot start at 0"):
         _run(_Toy(), _toy_state(), _toy_data(1), num_steps=2, sinks=[Failing()])
+
+
+# -- run's contract, message by message (each message pinned whole) ----------------------------
+
+
+def _never_called(state: Any, batch: Any) -> Any:
+    raise AssertionError("the step must not run")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "error", "message"),
+    [
+        ({"num_steps": None}, ValueError, "run: num_steps must be an int >= 1, got None"),
+        (
+            {"save_every": 0, "checkpoint_dir": "x"},
+            ValueError,
+            "run: save_every must be an int >= 1, got 0",
+        ),
+        ({"keep_last": 0}, ValueError, "run: keep_last must be an int >= 1, got 0"),
+        ({"log_every": 0}, ValueError, "run: log_every must be an int >= 1, got 0"),
+        (
+            {"eval_every": 0, "eval_fn": dict},
+            ValueError,
+            "run: eval_every must be an int >= 1, got 0",
+        ),
+        ({"save_every": 2}, ValueError, "run: save_every needs a checkpoint_dir"),
+        ({"eval_every": 2}, ValueError, "run: eval_every is set but eval_fn is None"),
+        ({"step": 3}, TypeError, "run: step and eval_fn must be callables"),
+        ({"eval_fn": 3}, TypeError, "run: step and eval_fn must be callables"),
+        ({"state": {"step": 0}}, TypeError, "run: state is a dict; expected a TensorDict"),
+        (
+            {"collective_timeout": "5"},
+            TypeError,
+            "run: collective_timeout must be seconds or a timedelta, got '5'",
+        ),
+        (
+            {"collective_timeout": True},
+            TypeError,
+            "run: collective_timeout must be seconds or a timedelta, got True",
+        ),
+        (
+            {"collective_timeout": datetime.timedelta(0)},
+            ValueError,
+            "run: collective_timeout must be positive, got datetime.timedelta(0)",
+        ),
+        (
+            {"state": TensorDict({"step": torch.tensor(0), "loop": torch.tensor(0)}, [])},
+            ValueError,
+            "run: the state has a top-level key 'loop', reserved for the loop",
+        ),
+    ],
+    ids=[
+        "num_steps-None",
+        "save_every-0",
+        "keep_last-0",
+        "log_every-0",
+        "eval_every-0",
+        "save_every-without-dir",
+        "eval_every-without-eval_fn",
+        "step-not-callable",
+        "eval_fn-not-callable",
+        "state-a-dict",
+        "timeout-a-string",
+        "timeout-a-bool",
+        "timeout-zero-timedelta",
+        "state-with-loop-key",
+    ],
+)
+def test_each_bad_argument_fails_before_any_step_with_its_whole_message(
+    overrides: dict[str, Any], error: type[Exception], message: str
+) -> None:
+    """Each bad argument raises its own error type with a message naming the argument and the
+    value at fault (pinned whole), before the step is called."""
+    kwargs: dict[str, Any] = {"step": _never_called, "state": _toy_state(), "num_steps": 3}
+    kwargs |= overrides
+    with pytest.raises(error) as info:
+        loop.run(data=_toy_data(1), progress=False, sinks=(), **kwargs)
+    assert type(info.value) is error
+    assert str(info.value) == message
+
+
+def test_a_state_without_a_step_counter_is_a_key_error_saying_how_to_build_one() -> None:
+    """A state without "step" raises KeyError whose message says to use init_state."""
+    with pytest.raises(KeyError) as info:
+        _run(_never_called, TensorDict({"acc": torch.tensor(0.0)}, []), _toy_data(1), num_steps=1)
+    assert info.value.args == (
+        "run: the state has no 'step' counter (build it with purestep.init_state)",
+    )
+
+
+def test_the_smallest_allowed_values_are_accepted(tmp_path: Path) -> None:
+    """keep_last=1 keeps one checkpoint, eval_every=1 evaluates after every step, and a
+    sub-second collective_timeout (seconds or timedelta) is accepted without a process group."""
+    seen: list[int] = []
+
+    def eval_fn(state: TensorDictBase) -> dict[str, Any]:
+        seen.append(int(state["step"]))
+        return {}
+
+    for timeout in (0.5, datetime.timedelta(seconds=0.5)):
+        seen.clear()
+        out = _run(
+            _Toy(),
+            _toy_state(),
+            _toy_data(2),
+            num_steps=3,
+            checkpoint_dir=tmp_path / str(timeout),
+            save_every=1,
+            keep_last=1,
+            eval_fn=eval_fn,
+            eval_every=1,
+            collective_timeout=timeout,
+            sinks=(),
+        )
+        assert int(out["step"]) == 3
+        assert seen == [1, 2, 3]
+        assert [p.name for p in ckpt.checkpoints(tmp_path / str(timeout))] == ["step_00000003"]
+
+
+def test_keep_last_defaults_to_three_checkpoints(tmp_path: Path) -> None:
+    """Without keep_last, save_every=1 over 5 steps leaves the 3 newest checkpoints."""
+    _run(_Toy(), _toy_state(), _toy_data(2), num_steps=5, checkpoint_dir=tmp_path, save_every=1)
+    assert [p.name for p in ckpt.checkpoints(tmp_path)] == [f"step_0000000{i}" for i in (3, 4, 5)]
+
+
+@pytest.mark.parametrize("async_save", [None, False, True])
+def test_only_periodic_saves_of_async_save_are_written_in_the_background(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, async_save: bool | None
+) -> None:
+    """checkpoint.save gets async_=True for the periodic checkpoints with async_save=True, and
+    async_=False for the last step's and for every checkpoint without it (the default)."""
+    from purestep.distributed import checkpoint as dckpt
+
+    calls: list[tuple[str, Any]] = []
+    real = dckpt.save
+
+    def spy(state: Any, path: Any, **kw: Any) -> Any:
+        calls.append((Path(path).name, kw.get("async_", "absent")))
+        return real(state, path, **kw)
+
+    monkeypatch.setattr(dckpt, "save", spy)
+    kw = {} if async_save is None else {"async_save": async_save}
+    _run(
+        _Toy(), _toy_state(), _toy_data(2), num_steps=3, checkpoint_dir=tmp_path, save_every=1, **kw
+    )
+    expect = [bool(async_save), bool(async_save), False]
+    assert calls == [(f"step_0000000{i}", a) for i, a in zip((1, 2, 3), expect, strict=True)]
+
+
+def test_a_steps_prepare_runs_first_and_its_state_is_trained() -> None:
+    """step.prepare(state) runs before the first step and run trains the state it returns."""
+
+    class Prepared(_Toy):
+        def prepare(self, state: TensorDictBase) -> TensorDictBase:
+            out = state.clone()
+            out["acc"] = torch.tensor(100.0, dtype=torch.float64)
+            return out
+
+    out = _run(Prepared(), _toy_state(), _toy_data(3), num_steps=3, sinks=())
+    assert float(out["acc"]) == 100.0 + 0 + 1 + 2
+
+
+@pytest.mark.parametrize(
+    ("returns", "name"),
+    [("state", "TensorDict"), ("dict-state", "tuple"), ("triple", "tuple")],
+)
+def test_a_step_that_does_not_return_state_and_metrics_is_named(returns: str, name: str) -> None:
+    """A step returning a bare state, a (dict, metrics) pair or a 3-tuple raises TypeError
+    naming what it returned and what is expected."""
+
+    def step(state: TensorDictBase, batch: TensorDictBase) -> Any:
+        new, metrics = _Toy()(state, batch)
+        return {
+            "state": new,
+            "dict-state": (dict(new.items()), metrics),
+            "triple": (new, metrics, None),
+        }[returns]
+
+    with pytest.raises(TypeError) as info:
+        _run(step, _toy_state(), _toy_data(1), num_steps=2, sinks=())
+    assert str(info.value) == (
+        f"run: the step returned {name}; expected (state, metrics) with state a TensorDict"
+    )
+
+
+@pytest.mark.parametrize(
+    ("bad", "error", "why"),
+    [
+        ("oops", TypeError, "batch is str; expected a TensorDict or a dict of tensors"),
+        ({"v": torch.ones(2), "w": torch.ones(3)}, ps.BatchError, None),
+    ],
+    ids=["a-string", "disagreeing-sizes"],
+)
+def test_a_bad_batch_is_named_with_its_step_and_keeps_its_error_type(
+    bad: Any, error: type[Exception], why: str | None
+) -> None:
+    """The third batch is not a batch: run raises as_batch's error type, its message prefixed
+    with the step it was for."""
+    why = why or "batch entries disagree on the leading (batch) dimension: 2: v; 3: w"
+    data = [*_toy_data(2), bad]
+    with pytest.raises(error) as info:
+        _run(_Toy(), _toy_state(), data, num_steps=4, sinks=())
+    assert type(info.value) is error
+    assert str(info.value) == f"run: the batch for step 2: {why}"
+
+
+def _reads(lookup: str) -> Any:
+    """A step over the toy state that reads its batch in the way ``lookup`` names."""
+
+    def step(state: TensorDictBase, batch: TensorDictBase) -> Any:
+        if lookup == "item":
+            batch["y"]
+        elif lookup == "one-tuple":
+            batch[("y",)]
+        elif lookup == "nested-node":
+            batch["cond"]["label"]
+        elif lookup == "del":
+            batch.del_("y")
+        elif lookup == "in-apply":
+            state.apply(lambda v: v * batch["y"].sum())
+        return _Toy()(state, batch)
+
+    return step
+
+
+@pytest.mark.parametrize("lookup", ["item", "one-tuple", "nested-node", "del", "in-apply"])
+def test_a_missing_batch_key_is_named_with_the_step_however_it_is_looked_up(lookup: str) -> None:
+    """The second batch lacks "y" (or "cond" lacks "label"): whether the step indexes the
+    batch, a node of it, with a 1-tuple, deletes the key or reads it inside state.apply, the
+    BatchKeyError names the key, the step (1) and the batch's keys."""
+    key = "label" if lookup == "nested-node" else "y"
+    full = {"v": torch.ones(1, dtype=torch.float64), "y": torch.ones(1)}
+    full["cond"] = {"label": torch.ones(1)}
+    short = {"v": torch.ones(1, dtype=torch.float64), "cond": {"text": torch.ones(1)}}
+    with pytest.raises(loop.BatchKeyError) as info:
+        _run(_reads(lookup), _toy_state(), [full, short], num_steps=3, sinks=())
+    assert str(info.value) == (
+        f"run: the batch for step 1 has no key {key!r}, which the step reads "
+        "(batch keys: ['cond', 'v'])"
+    )
+
+
+def test_a_key_error_that_is_not_a_missing_batch_key_passes_through_unchanged() -> None:
+    """KeyErrors from a batch method called with a function (batch.apply) or with a key the
+    batch has (renaming onto a taken name) are not missing batch keys: they reach the caller
+    as they were raised."""
+    lookup: dict[str, int] = {}
+
+    def apply_step(state: TensorDictBase, batch: TensorDictBase) -> Any:
+        batch.apply(lambda v: v * lookup["scale"])
+        return _Toy()(state, batch)
+
+    def rename_step(state: TensorDictBase, batch: TensorDictBase) -> Any:
+        batch.rename_key_(("cond", "text"), "v", safe=True)
+        return _Toy()(state, batch)
+
+    batch = {"v": torch.ones(1, dtype=torch.float64), "cond": {"text": torch.ones(1)}}
+    with pytest.raises(KeyError) as info:
+        _run(apply_step, _toy_state(), [batch], num_steps=1, sinks=())
+    assert type(info.value) is KeyError and info.value.args == ("scale",)
+    with pytest.raises(KeyError) as info:
+        _run(rename_step, _toy_state(), [batch], num_steps=1, sinks=())
+    assert type(info.value) is KeyError
+    assert info.value.args == ("key v already present in TensorDict.",)
+
+
+def test_batch_key_error_without_a_message_is_empty() -> None:
+    """str(BatchKeyError()) is "" (KeyError's own str would be "''" or fail)."""
+    assert str(loop.BatchKeyError()) == ""
+
+
+def test_a_step_that_does_not_advance_the_counter_is_refused() -> None:
+    """A step that leaves state["step"] where it was (here at step 1) raises RuntimeError
+    naming the value, even if later steps would advance it."""
+    calls = [0]
+
+    def step(state: TensorDictBase, batch: TensorDictBase) -> Any:
+        calls[0] += 1
+        new, metrics = _Toy()(state, batch)
+        if calls[0] == 2:
+            new["step"] = state["step"]
+        return new, metrics
+
+    with pytest.raises(RuntimeError) as info:
+        _run(step, _toy_state(), _toy_data(2), num_steps=4, sinks=())
+    assert str(info.value) == "run: the step did not advance state['step'] (was 1, now 1)"
+
+
+def test_resuming_at_num_steps_returns_the_state_and_past_it_is_refused(tmp_path: Path) -> None:
+    """A run resumed at exactly num_steps runs no step and returns the saved state; with
+    num_steps below the saved step it raises ValueError naming both."""
+    done = _run(_Toy(), _toy_state(), _toy_data(2), num_steps=3, checkpoint_dir=tmp_path)
+    again = _run(_never_called, _toy_state(), _toy_data(2), num_steps=3, checkpoint_dir=tmp_path)
+    assert_trees_equal(again, done)
+    with pytest.raises(ValueError, match=r"^run: resumed at step 3, past num_steps=2$"):
+        _run(_never_called, _toy_state(), _toy_data(2), num_steps=2, checkpoint_dir=tmp_path)
+
+
+def test_eval_fn_without_eval_every_runs_at_the_last_step_only() -> None:
+    """eval_fn and no eval_every: it is evaluated once, on the final state."""
+    seen: list[int] = []
+
+    def eval_fn(state: TensorDictBase) -> dict[str, Any]:
+        seen.append(int(state["step"]))
+        return {"acc": state["acc"]}
+
+    rec = _Record()
+    _run(_Toy(), _toy_state(), _toy_data(3), num_steps=4, log_every=2, sinks=[rec], eval_fn=eval_fn)
+    assert seen == [4]
+    assert rec.calls[-1][1]["eval/acc"] == 0 + 1 + 2 + 0
+
+
+@pytest.mark.parametrize("returned", [[1.0], 2.0, None])
+def test_an_eval_fn_that_returns_no_dict_is_named(returned: Any) -> None:
+    """eval_fn returning a list, a float or None raises TypeError naming the returned type."""
+    with pytest.raises(TypeError) as info:
+        _run(_Toy(), _toy_state(), _toy_data(1), num_steps=1, eval_fn=lambda s: returned)
+    assert str(info.value) == (
+        f"run: eval_fn returned {type(returned).__name__}; expected a dict of metrics"
+    )
+
+
+def test_preempted_without_a_checkpoint_dir_logs_the_window_at_the_stop(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """SIGTERM after step 2 with log_every=5 and no checkpoint_dir: the metrics of steps 1-2
+    are logged (their means) at step 2, Preempted carries the signal, and stderr says nothing
+    was saved (whole line)."""
+    rec = _Record()
+    with pytest.raises(loop.Preempted) as info:
+        _run(
+            _SignalAt(2, signal.SIGTERM),
+            _toy_state(),
+            _toy_data(3),
+            num_steps=9,
+            log_every=5,
+            sinks=[rec],
+        )
+    e = info.value
+    assert (e.code, e.step, e.signum, e.checkpoint) == (143, 2, signal.SIGTERM, None)
+    assert rec.calls == [(2, {"s": 0.5, "nested/sq": 0.5, "batch": 0.5})]
+    assert capsys.readouterr().err == (
+        "purestep.loop.run: SIGTERM received; stopped after step 2; no checkpoint_dir, so "
+        "nothing was saved (Preempted.state holds the state)\n"
+    )
+
+
+def test_preemption_message_names_the_checkpoint_and_the_dir_to_resume_from(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """With a checkpoint_dir, stderr is one line: the signal, the step, the checkpoint path and
+    the exact arguments to resume with."""
+    with pytest.raises(loop.Preempted) as info:
+        _run(
+            _SignalAt(3, signal.SIGINT),
+            _toy_state(),
+            _toy_data(3),
+            num_steps=9,
+            checkpoint_dir=tmp_path,
+        )
+    assert info.value.signum == signal.SIGINT
+    path = ckpt.step_dir(tmp_path, 3)
+    assert capsys.readouterr().err == (
+        f"purestep.loop.run: SIGINT received; stopped after step 3; checkpoint saved to {path}. "
+        f"To continue, run again with checkpoint_dir={str(tmp_path)!r} and resume='latest'\n"
+    )
+
+
+@settings(max_examples=10, deadline=None)
+@given(at=st.integers(1, 4), save_every=st.sampled_from([None, 1, 2]), resumed=st.booleans())
+@example(at=1, save_every=None, resumed=False)
+@example(at=2, save_every=2, resumed=False)
+@example(at=1, save_every=1, resumed=True)
+def test_a_preemption_leaves_exactly_the_checkpoints_of_its_saves_and_its_step(
+    tmp_path_factory: pytest.TempPathFactory, at: int, save_every: int | None, resumed: bool
+) -> None:
+    """Preempted after step `at` (of a fresh run, or of one resumed from step 1): the
+    checkpoint of step `at` exists, written once (also when `at` is a save point, where the
+    periodic save already wrote it), next to the periodic ones."""
+    root = tmp_path_factory.mktemp("pre")
+    first = 0
+    if resumed:
+        _run(_Toy(), _toy_state(), _toy_data(3), num_steps=1, checkpoint_dir=root)
+        first = 1
+    stop_at = first + at
+    with pytest.raises(loop.Preempted) as info:
+        _run(
+            _SignalAt(stop_at, signal.SIGTERM),
+            _toy_state(),
+            _toy_data(3),
+            num_steps=9,
+            checkpoint_dir=root,
+            save_every=save_every,
+            keep_last=9,
+        )
+    assert info.value.checkpoint == ckpt.step_dir(root, stop_at)
+    periodic = {s for s in range(first + 1, stop_at) if save_every and s % save_every == 0}
+    expect = sorted(periodic | {stop_at} | ({1} if resumed else set()))
+    assert [p.name for p in ckpt.checkpoints(root)] == [f"step_{s:08d}" for s in expect]
+
+
+class _Closing(_Record):
+    def __init__(self) -> None:
+        super().__init__()
+        self.closed = 0
+
+    def close(self) -> None:
+        self.closed += 1
+
+
+def test_sinks_are_closed_once_when_run_returns_or_fails() -> None:
+    """A sink's close() is called once at the end of the run, and also when the step fails."""
+    ok, failed = _Closing(), _Closing()
+    _run(_Toy(), _toy_state(), _toy_data(1), num_steps=2, sinks=[ok])
+    assert (ok.closed, len(ok.calls)) == (1, 2)
+    with pytest.raises(loop.BatchKeyError):
+        _run(_reads("item"), _toy_state(), _toy_data(1), num_steps=2, sinks=[failed])
+    assert failed.closed == 1
+
+
+def test_a_failed_background_save_does_not_hide_the_runs_own_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With async_save, a step failing while a failed background save is in flight raises the
+    step's error (the save's failure is moot then), and that checkpoint does not exist."""
+    from purestep.distributed import checkpoint as dckpt
+
+    def failing_write(*args: Any) -> None:
+        raise OSError("disk full")
+
+    monkeypatch.setattr(dckpt, "_write", failing_write)
+    data = [*_toy_data(1), {"x": torch.ones(1)}]
+    with pytest.raises(loop.BatchKeyError) as info:
+        _run(
+            _Toy(),
+            _toy_state(),
+            data,
+            num_steps=3,
+            checkpoint_dir=tmp_path,
+            save_every=1,
+            async_save=True,
+        )
+    assert str(info.value).startswith("run: the batch for step 1 has no key 'v'")
+    assert ckpt.checkpoints(tmp_path) == []
+
+
+def test_image_repr_shows_the_pixel_shape() -> None:
+    """repr(Image) shows the shape of its uint8 pixels."""
+    assert repr(loop.Image(torch.zeros(5, 4, 3, dtype=torch.uint8))) == "Image((5, 4, 3))"
+
+
+def test_a_loader_state_is_loaded_weights_only_even_if_the_environment_allows_pickles(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1 (torch.load's opt-out for calls that pass no
+    weights_only) does not make a loader state holding an object checkpointable: it is still
+    refused before any step, since loading it back could run code."""
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
+
+    class OddState(_StatefulData):
+        def state_dict(self) -> Any:
+            return {"fn": _Toy()}
+
+    with pytest.raises(
+        TypeError, match=r"^data\.state_dict\(\) of OddState cannot be checkpointed"
+    ):
+        _run(_never_called, _toy_state(), OddState(1), num_steps=2, sinks=())
