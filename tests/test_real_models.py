@@ -633,6 +633,47 @@ def test_compiled_module_trains_as_the_compiled_imperative_loop_without_recompil
     assert not counters["graph_break"]
 
 
+class _ScaledLM(TiedLM):
+    """TiedLM with a keyword-only argument, to see that call passes keyword arguments on."""
+
+    def forward(self, ids: torch.Tensor, *, scale: float = 1.0) -> torch.Tensor:
+        return super().forward(ids) * scale
+
+
+def test_call_inside_a_compiled_function_fills_the_tie_and_passes_keyword_arguments() -> None:
+    """``ps.call`` traced by torch.compile (a compiled loss) runs through ``functional_call``:
+    a weight given under one key of a tie fills both slots, params not given stay the
+    module's own, keyword arguments reach the forward, and the module is left as it was."""
+    torch._dynamo.reset()
+    torch.manual_seed(9)
+    net = _ScaledLM()
+    ref = copy.deepcopy(net)
+    w = torch.randn(11, 6)
+    with torch.no_grad():
+        ref.wte.weight.copy_(w)
+    ids = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    traced: list[bool] = []
+
+    def loss(p: TensorDictBase, ids: torch.Tensor) -> torch.Tensor:
+        traced.append(torch.compiler.is_compiling())
+        return ps.call(net, p, ids, scale=2.0)  # type: ignore[no-any-return]
+
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    out = torch.compile(loss, backend="eager")(TensorDict({"wte": {"weight": w}}, []), ids)
+    assert traced == [True], "the call was not traced"
+    # traced to the end: no frame fell back to eager (where call would swap instead), and the
+    # graph breaks only at call's context-variable reads (the scope, the recorder)
+    assert not counters["unimplemented"], list(counters["unimplemented"])
+    assert all("ContextVar" in reason for reason in counters["graph_break"]), list(
+        counters["graph_break"]
+    )
+    assert torch.equal(out, ref(ids, scale=2.0))
+    assert not torch.equal(out, ref(ids))  # the keyword argument mattered
+    assert net.lm_head.weight is net.wte.weight and not torch.equal(net.wte.weight, w)
+
+
 # 7. module randomness (dropout) --------------------------------------------------------
 
 
