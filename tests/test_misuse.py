@@ -2092,3 +2092,46 @@ def test_call_with_dtensor_params_refuses_all_but_detached_views_of_an_fsdp_modu
         assert torch.equal(out.full_tensor(), torch.zeros(8, 3))  # the given (zero) weights
     finally:
         dist.destroy_process_group()
+
+
+# --- bound-role hooks: registered once, run on bound roles only ----------------------------
+
+
+def test_bound_hooks_registered_twice_run_once_and_metrics_hooks_see_bound_leaves_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Registering a bound-backward or bound-metrics hook twice registers it once: it runs
+    once per use. reduce_bound_metrics passes metrics through the hooks with the leaves of the
+    bound roles only (a module's own nn.Parameters), and returns them untouched (no hook runs)
+    when no role is bound."""
+    from purestep.step import _bound
+
+    monkeypatch.setattr(_bound, "_BOUND_HOOKS", [])
+    monkeypatch.setattr(_bound, "_BOUND_METRICS_HOOKS", [])
+    lin = nn.Linear(2, 1)
+    own = TensorDict(dict(lin.named_parameters()), [])
+    plain = TensorDict({"w": torch.ones(2)}, [])
+    metrics = TensorDict({"loss": torch.tensor(1.0)}, [])
+    seen: list[list[torch.Tensor]] = []
+
+    def on_metrics(leaves: Any, m: TensorDict) -> TensorDict:
+        seen.append(list(leaves))
+        return m.apply(lambda t: t * 2)
+
+    assert _bound.reduce_bound_metrics(TensorDict({"a": plain}), metrics) is metrics
+    ps.step.register_bound_metrics_hook(on_metrics)
+    ps.step.register_bound_metrics_hook(on_metrics)
+    assert _bound.reduce_bound_metrics(TensorDict({"a": plain}), metrics) is metrics
+    assert seen == []
+    out = _bound.reduce_bound_metrics(TensorDict({"a": plain, "b": own}), metrics)
+    assert float(out["loss"]) == 2.0  # the hook ran once
+    assert len(seen) == 1 and [id(t) for t in seen[0]] == [id(lin.weight), id(lin.bias)]
+
+    calls: list[tuple[list[torch.Tensor], int]] = []
+    hook = lambda leaves, mb: calls.append((list(leaves), mb.index))  # noqa: E731
+    ps.step.register_bound_backward_hook(hook)
+    ps.step.register_bound_backward_hook(hook)
+    loss = lin(torch.ones(1, 2)).sum()
+    grads = _bound.bound_grads({"b": loss}, {"b": list(lin.parameters())}, [])
+    assert [([id(t) for t in ls], i) for ls, i in calls] == [([id(lin.weight), id(lin.bias)], 0)]
+    assert torch.equal(grads["b"][0], torch.ones(1, 2)) and lin.weight.grad is None
