@@ -406,6 +406,43 @@ def test_keyed_call_seeds_and_restores_the_cuda_generator() -> None:
     _assert_keyed_dropout(cpu_net, ps.params_of("m", cpu_net), x.cpu())  # CPU params
 
 
+def test_keyed_call_seeds_the_cuda_generator_in_a_scope_and_on_the_generic_path() -> None:
+    """call(..., key=) with CUDA params inside a call_scope (value_and_grad's loss) and on the
+    generic path (a TensorDictParams): dropout is a function of the key, torch's generators
+    are restored."""
+    from tensordict import TensorDictParams
+
+    torch.manual_seed(0)
+    net = _Dropping().to(DEV)
+    x = torch.ones(64, 32, device=DEV)
+    with ps.call_scope():
+        _assert_keyed_dropout(net, ps.params_of("m", net), x)
+    _assert_keyed_dropout(net, TensorDictParams(ps.params_of("m", net), no_convert=True), x)
+
+
+def test_keyed_call_of_an_fsdp_module_with_detached_views_seeds_the_cuda_generator() -> None:
+    """An FSDP2-managed module on the GPU (one process, nccl, world size 1) called under
+    no_grad with detached views of its own params and key=: dropout is a function of the
+    key, torch's generators are restored."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_nccl_available() or dist.is_initialized():
+        pytest.skip("needs nccl and no process group in this process")
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("nccl", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        torch.manual_seed(0)
+        net = _Dropping().to(DEV)
+        fully_shard(net, mesh=init_device_mesh("cuda", (1,)))
+        own = TensorDict(dict(net.named_parameters()), []).unflatten_keys(".")
+        with torch.no_grad():
+            _assert_keyed_dropout(net, own.detach(), torch.ones(64, 32, device=DEV))
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 def test_keyed_call_on_the_second_gpu_seeds_and_restores_that_gpus_generator() -> None:
     """Params on cuda:1 while cuda:0 is current: cuda:1's generator is the one keyed (and

@@ -2018,3 +2018,120 @@ def test_a_skipped_step_reports_skipped_as_a_0_dim_bool() -> None:
         1,
         1,
     )
+
+
+# --- call: DTensor params (FSDP2-sharded modules), one process -----------------------------
+
+
+class _FSDPNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.lin(x))  # type: ignore[no-any-return]
+
+
+def test_call_with_dtensor_params_refuses_all_but_detached_views_of_an_fsdp_modules_own() -> None:
+    """An FSDP2-managed module (``fully_shard``) always runs with its own sharded params. Given
+    DTensor params, ``call`` refuses, whole message each: grad enabled; a copy that shares no
+    memory; a key that names no parameter. Detached views under ``no_grad`` run the module
+    itself, keyed dropout included (the same output as its own params with that key). A module
+    ``fully_shard`` does not manage takes DTensor params functionally, like plain tensors.
+
+    One process (gloo, world size 1, an in-memory store), destroyed at the end.
+    """
+    import torch.distributed as dist
+
+    if not dist.is_available() or dist.is_initialized():
+        pytest.skip("needs torch.distributed and no process group in this process")
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        torch.manual_seed(0)
+        net = _FSDPNet()
+        fully_shard(net, mesh=mesh)
+        own = TensorDict(dict(net.named_parameters()), []).unflatten_keys(".")
+        x = torch.ones(8, 3)
+        misspelt = TensorDict({"lin": {"wieght": own["lin", "weight"].detach()}}, [])
+        messages = []
+        for grad, p in [(True, own.detach()), (False, own.clone()), (False, misspelt)]:
+            with pytest.raises(ValueError, match=r"^call: ") as info, torch.set_grad_enabled(grad):
+                ps.call(net, p, x)
+            messages.append(str(info.value))
+        assert messages == [
+            "call: FSDP_FSDPNet got DTensor params that are not its bound parameters; an "
+            "FSDP-sharded module always runs with its own parameters. To stop gradients into "
+            "them, call it under torch.no_grad() (detached views are fine there)",
+            "call: param 'lin.weight' is a DTensor that does not share memory with "
+            "FSDP_FSDPNet's own (FSDP-sharded) parameter; an FSDP module always runs with its "
+            "own parameters: copy other weights (e.g. an EMA) into them first",
+            "call: FSDP_FSDPNet has no parameter 'lin.wieght'",
+        ]
+        key = rng.key(1)
+        with torch.no_grad():
+            expected = ps.call(net, own, x, key=key)  # its own nn.Parameters: run as it is
+            detached = ps.call(net, own.detach(), x, key=key)
+        assert bool((expected == 0).any()) and bool((expected != 0).any())  # dropout dropped
+        assert torch.equal(detached, expected)
+
+        plain = nn.Linear(3, 3)
+        zeros = TensorDict(
+            {
+                n: distribute_tensor(torch.zeros_like(t), mesh, [Replicate()])
+                for n, t in plain.named_parameters()
+            },
+            [],
+        )
+        out = ps.call(plain, zeros, distribute_tensor(x, mesh, [Replicate()]))
+        assert torch.equal(out.full_tensor(), torch.zeros(8, 3))  # the given (zero) weights
+    finally:
+        dist.destroy_process_group()
+
+
+# --- bound-role hooks: registered once, run on bound roles only ----------------------------
+
+
+def test_bound_hooks_registered_twice_run_once_and_metrics_hooks_see_bound_leaves_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Registering a bound-backward or bound-metrics hook twice registers it once: it runs
+    once per use. reduce_bound_metrics passes metrics through the hooks with the leaves of the
+    bound roles only (a module's own nn.Parameters), and returns them untouched (no hook runs)
+    when no role is bound."""
+    from purestep.step import _bound
+
+    monkeypatch.setattr(_bound, "_BOUND_HOOKS", [])
+    monkeypatch.setattr(_bound, "_BOUND_METRICS_HOOKS", [])
+    lin = nn.Linear(2, 1)
+    own = TensorDict(dict(lin.named_parameters()), [])
+    plain = TensorDict({"w": torch.ones(2)}, [])
+    metrics = TensorDict({"loss": torch.tensor(1.0)}, [])
+    seen: list[list[torch.Tensor]] = []
+
+    def on_metrics(leaves: Any, m: TensorDict) -> TensorDict:
+        seen.append(list(leaves))
+        return m.apply(lambda t: t * 2)
+
+    assert _bound.reduce_bound_metrics(TensorDict({"a": plain}), metrics) is metrics
+    ps.step.register_bound_metrics_hook(on_metrics)
+    ps.step.register_bound_metrics_hook(on_metrics)
+    assert _bound.reduce_bound_metrics(TensorDict({"a": plain}), metrics) is metrics
+    assert seen == []
+    out = _bound.reduce_bound_metrics(TensorDict({"a": plain, "b": own}), metrics)
+    assert float(out["loss"]) == 2.0  # the hook ran once
+    assert len(seen) == 1 and [id(t) for t in seen[0]] == [id(lin.weight), id(lin.bias)]
+
+    calls: list[tuple[list[torch.Tensor], int]] = []
+    hook = lambda leaves, mb: calls.append((list(leaves), mb.index))  # noqa: E731
+    ps.step.register_bound_backward_hook(hook)
+    ps.step.register_bound_backward_hook(hook)
+    loss = lin(torch.ones(1, 2)).sum()
+    grads = _bound.bound_grads({"b": loss}, {"b": list(lin.parameters())}, [])
+    assert [([id(t) for t in ls], i) for ls, i in calls] == [([id(lin.weight), id(lin.bias)], 0)]
+    assert torch.equal(grads["b"][0], torch.ones(1, 2)) and lin.weight.grad is None

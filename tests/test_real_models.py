@@ -633,6 +633,47 @@ def test_compiled_module_trains_as_the_compiled_imperative_loop_without_recompil
     assert not counters["graph_break"]
 
 
+class _ScaledLM(TiedLM):
+    """TiedLM with a keyword-only argument, to see that call passes keyword arguments on."""
+
+    def forward(self, ids: torch.Tensor, *, scale: float = 1.0) -> torch.Tensor:
+        return super().forward(ids) * scale
+
+
+def test_call_inside_a_compiled_function_fills_the_tie_and_passes_keyword_arguments() -> None:
+    """``ps.call`` traced by torch.compile (a compiled loss) runs through ``functional_call``:
+    a weight given under one key of a tie fills both slots, params not given stay the
+    module's own, keyword arguments reach the forward, and the module is left as it was."""
+    torch._dynamo.reset()
+    torch.manual_seed(9)
+    net = _ScaledLM()
+    ref = copy.deepcopy(net)
+    w = torch.randn(11, 6)
+    with torch.no_grad():
+        ref.wte.weight.copy_(w)
+    ids = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    traced: list[bool] = []
+
+    def loss(p: TensorDictBase, ids: torch.Tensor) -> torch.Tensor:
+        traced.append(torch.compiler.is_compiling())
+        return ps.call(net, p, ids, scale=2.0)  # type: ignore[no-any-return]
+
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    out = torch.compile(loss, backend="eager")(TensorDict({"wte": {"weight": w}}, []), ids)
+    assert traced == [True], "the call was not traced"
+    # traced to the end: no frame fell back to eager (where call would swap instead), and the
+    # graph breaks only at call's context-variable reads (the scope, the recorder)
+    assert not counters["unimplemented"], list(counters["unimplemented"])
+    assert all("ContextVar" in reason for reason in counters["graph_break"]), list(
+        counters["graph_break"]
+    )
+    assert torch.equal(out, ref(ids, scale=2.0))
+    assert not torch.equal(out, ref(ids))  # the keyword argument mattered
+    assert net.lm_head.weight is net.wte.weight and not torch.equal(net.wte.weight, w)
+
+
 # 7. module randomness (dropout) --------------------------------------------------------
 
 
@@ -736,6 +777,133 @@ def test_a_keyed_cpu_call_leaves_a_gpu_whose_cuda_is_not_initialised_alone(
     a = ps.call(net, ps.params_of("m", net), x, key=ps.rng.key(1))
     b = ps.call(net, ps.params_of("m", net), x, key=ps.rng.key(1))
     assert torch.equal(a, b) and bool((a == 0).any())  # keyed dropout ran, on the CPU
+
+
+class _SeedProbe(nn.Module):
+    """Records the seed of torch's CPU generator each forward sees."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(2, 2)
+        self.seeds: list[int] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seeds.append(torch.initial_seed())
+        return self.lin(x)  # type: ignore[no-any-return]
+
+
+def test_a_keyed_call_seeds_torchs_generator_with_a_value_fixed_by_key_and_microbatch() -> None:
+    """The seed call(key=) gives torch's global generator is a fixed function of the key and
+    the microbatch number (pinned: a checkpoint resumed under another release draws the same
+    dropout masks), its own derivation (a dropout tag folded in: never the seed of a plain
+    ``fold_in(key, microbatch)``), and the same through the plain and the generic path."""
+    from tensordict import TensorDictParams
+
+    net = _SeedProbe()
+    params = ps.params_of("m", net)
+    key = ps.rng.key(1)
+    ps.call(net, params, torch.ones(1, 2), key=key)
+    ps.call(net, TensorDictParams(params, no_convert=True), torch.ones(1, 2), key=key)
+    with ps.call_scope():
+        ps.call(net, params, torch.ones(1, 2), key=key)
+    pinned = -7611044674484175349 % 2**64  # int(fold_in(key(1), 0x6D6F6475, 0)), as uint64
+    assert net.seeds == [pinned] * 3
+    assert pinned != int(ps.rng.fold_in(key, 0)) % 2**64
+
+
+def test_a_parameter_registration_hook_sees_what_call_puts_in_place_and_takes_back() -> None:
+    """While a global parameter-registration hook is set (a library that tracks or moves
+    parameters), call registers the given tensor through it, then the module's own back."""
+    lin = nn.Linear(2, 2)
+    own = lin.weight
+    w = torch.zeros(2, 2)
+    seen: list[tuple[nn.Module, str, torch.Tensor]] = []
+    hook = nn.modules.module.register_module_parameter_registration_hook(
+        lambda m, n, p: seen.append((m, n, p))
+    )
+    try:
+        out = ps.call(lin, TensorDict({"weight": w}, []), torch.ones(1, 2))
+    finally:
+        hook.remove()
+    assert torch.equal(out, lin.bias.detach()[None])  # the given (zero) weight was used
+    assert [(m, n) for m, n, _ in seen] == [(lin, "weight"), (lin, "weight")]
+    assert torch.equal(seen[0][2], w) and seen[1][2] is own and lin.weight is own
+
+
+def test_a_loss_calling_a_module_another_thread_is_running_is_refused_naming_it() -> None:
+    """value_and_grad's loss (a call_scope) calling a module that another thread's call is
+    running raises ModuleInUseError naming the module and that thread; once that call is
+    done, the same loss runs."""
+    net = nn.Linear(3, 1)
+    params = TensorDict({"m": ps.params_of("m", net)}, [])
+    started, finish = threading.Event(), threading.Event()
+    holder: list[int] = []
+
+    def pause(m: nn.Module, a: Any) -> None:
+        if holder and threading.get_ident() == holder[0]:
+            started.set()
+            assert finish.wait(10)
+
+    net.register_forward_pre_hook(pause)
+
+    def other() -> None:
+        holder.append(threading.get_ident())
+        ps.call(net, params["m"], torch.ones(2, 3))
+
+    def loss_fn(p: TensorDictBase, b: TensorDictBase, k: torch.Tensor) -> Any:
+        return ps.call(net, p["m"], b["x"]).sum(), {}
+
+    t = threading.Thread(target=other)
+    t.start()
+    try:
+        assert started.wait(10)
+        vg = ps.value_and_grad(loss_fn)
+        with pytest.raises(ps.step.ModuleInUseError) as info:
+            vg(params, {"x": torch.ones(2, 3)}, ps.rng.key(0))
+    finally:
+        finish.set()
+        t.join()
+    assert str(info.value) == (
+        f"call: Linear is in use by a call in another thread (thread {holder[0]}); a module "
+        "holds one set of tensors at a time, so threads that step through the same module "
+        "must each use their own copy (copy.deepcopy(module)) or take turns"
+    )
+    grads, _ = vg(params, {"x": torch.ones(2, 3)}, ps.rng.key(0))
+    assert torch.equal(grads["m", "weight"], torch.full((1, 3), 2.0))
+
+
+class _Counter(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("n", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.n = self.n + 1  # reassigns its buffer (a new tensor each call)
+        return x
+
+
+class _CallsItsPart(nn.Module):
+    """A forward that runs a submodule through ``ps.call`` with its subtree of the params."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.part = _Counter()
+        self.params: TensorDictBase | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        assert self.params is not None
+        return ps.call(self.part, self.params["part"], x)  # type: ignore[no-any-return]
+
+
+def test_a_buffer_a_nested_call_writes_into_the_params_survives_the_outer_call() -> None:
+    """A reassigned buffer that a call nested in the forward wrote into the params tree stays
+    there when the outer call (same tree, same slot) puts the module's own tensors back."""
+    net = _CallsItsPart()
+    params = TensorDict({"part": {"n": torch.zeros(())}}, [])
+    net.params = params
+    ps.call(net, params, torch.ones(1))
+    assert float(params["part", "n"]) == 1.0
+    assert float(net.part.n) == 0.0  # the module keeps none of it
 
 
 # 8. a forward that writes into its weights ---------------------------------------------
