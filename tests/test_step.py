@@ -1451,3 +1451,148 @@ def test_a_donated_step_on_its_own_output_rechecks_only_the_top_level_leaves() -
                 assert ("params", "m", "0", "weight") in walked[0]
             else:
                 assert sorted(walked[0]) == [("rng",), ("step",)], walked
+
+
+class _SlotsGradFn:
+    """A grad_fn object without weak references (``__slots__``), taking only ``roles=``."""
+
+    __slots__ = ("gf",)
+
+    def __init__(self, gf: ps.step.GradFn) -> None:
+        self.gf = gf
+
+    def __call__(
+        self, params: TensorDictBase, batch: TensorDictBase, key: torch.Tensor, *, roles: Any
+    ) -> tuple[TensorDict, TensorDict]:
+        return self.gf(params, batch, key, roles=roles)
+
+
+class _UnreadableGradFn(_SlotsGradFn):
+    """A grad_fn whose signature cannot be read: it is called with the step's arguments only."""
+
+    __slots__ = ("__weakref__",)
+    __signature__ = "not a signature"
+
+
+def _custom_grad_fn(kind: str, gf: ps.step.GradFn) -> Any:
+    if kind == "slots":
+        return _SlotsGradFn(gf)
+    if kind == "unreadable":
+        return _UnreadableGradFn(gf)
+    if kind == "kwargs":
+
+        def with_kwargs(
+            params: TensorDictBase, batch: TensorDictBase, key: torch.Tensor, **kw: Any
+        ) -> Any:
+            return gf(params, batch, key, **kw)
+
+        return with_kwargs
+
+    def roles_only(
+        params: TensorDictBase, batch: TensorDictBase, key: torch.Tensor, *, roles: Any
+    ) -> Any:
+        return gf(params, batch, key, roles=roles)
+
+    return roles_only
+
+
+@pytest.mark.parametrize("donate", [False, True])
+@pytest.mark.parametrize("kind", ["roles_only", "slots", "unreadable", "kwargs"])
+def test_a_custom_grad_fn_without_buffers_trains_like_the_imperative_loop(
+    kind: str, donate: bool
+) -> None:
+    """On a state without buffers, a custom grad_fn that takes only ``roles=`` (a function, an
+    object without weak references, one whose signature cannot be read) or ``**kwargs`` is
+    called without ``buffers=``/``donate=`` where it cannot take them, and trains like
+    torch's SGD loop, twice over (its signature is read once and kept)."""
+    net, opt, loss_fn = _linear_sgd_setup()
+    ref = _mlp(0)
+    torch_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    fn = _custom_grad_fn(kind, ps.value_and_grad(loss_fn))
+    for _ in range(2):
+        step = ps.train_step(fn, opt, donate=donate)
+        state = ps.init_state({"m": net}, opt, seed=0)
+        for i in range(3):
+            state, _ = step(state, _batch(i, 4))
+    for i in range(3):
+        b = _batch(i, 4)
+        torch_opt.zero_grad()
+        ((ref(b["x"]) - b["y"]) ** 2).mean().backward()
+        torch_opt.step()
+    testing.assert_trees_close(state["params", "m"], ps.params_of("m", ref), rtol=1e-6, atol=1e-7)
+
+
+def _bn_setup() -> tuple[nn.Module, dict[str, optim.Transform], Any]:
+    net = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+    opt = {"m": optim.sgd(0.1)}
+
+    def loss_fn(p: TensorDictBase, b: TensorDictBase, key: torch.Tensor) -> Any:
+        return ((ps.call(net, p["m"], b["x"]) - b["y"]) ** 2).mean(), {}
+
+    return net, opt, loss_fn
+
+
+def test_a_custom_grad_fn_taking_kwargs_gets_the_buffers_and_updates_them_like_torch() -> None:
+    """A grad_fn with ``**kwargs`` accepts ``buffers=``: a BatchNorm role's running stats
+    and params after three steps equal torch's loop on the module itself."""
+    import copy
+
+    net, opt, loss_fn = _bn_setup()
+    ref = copy.deepcopy(net)
+    step = ps.train_step(_custom_grad_fn("kwargs", ps.value_and_grad(loss_fn)), opt)
+    state = ps.init_state({"m": net}, opt, seed=0)
+    torch_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for i in range(3):
+        b = _batch(i, 4, d_in=3)
+        state, _ = step(state, b)
+        torch_opt.zero_grad()
+        ((ref(b["x"]) - b["y"]) ** 2).mean().backward()
+        torch_opt.step()
+    testing.assert_trees_close(state["params", "m"], ps.params_of("m", ref), rtol=1e-6, atol=1e-7)
+    testing.assert_trees_close(state["buffers", "m"], ps.buffers_of("m", ref), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("kind", ["roles_only", "slots", "unreadable"])
+def test_a_custom_grad_fn_without_buffers_on_a_state_with_buffers_is_refused(kind: str) -> None:
+    """A state with buffers needs a grad_fn that takes ``buffers=``: one that cannot is
+    refused with the whole message, naming the roles with buffers."""
+    net, opt, loss_fn = _bn_setup()
+    step = ps.train_step(_custom_grad_fn(kind, ps.value_and_grad(loss_fn)), opt)
+    state = ps.init_state({"m": net}, opt, seed=0)
+    with pytest.raises(TypeError) as info:
+        step(state, _batch(0, 4, d_in=3))
+    assert str(info.value) == (
+        "train_step: the state has buffers for roles ['m'], but grad_fn does not accept "
+        "buffers=; build it with purestep.value_and_grad (and accumulate), or give a custom "
+        "grad_fn the keyword arguments buffers= and donate="
+    )
+
+
+def test_a_custom_grad_fns_signature_is_read_once_per_function() -> None:
+    """train_step reads which keywords a custom grad_fn takes (``buffers=``, ``donate=``) from
+    its signature once per function object, not on every step."""
+    import inspect
+
+    net, opt, loss_fn = _linear_sgd_setup()
+    gf = ps.value_and_grad(loss_fn)
+
+    def grad_fn(
+        params: TensorDictBase, batch: TensorDictBase, key: torch.Tensor, *, roles: Any
+    ) -> Any:
+        return gf(params, batch, key, roles=roles)
+
+    reads: list[object] = []
+    real = inspect.signature
+
+    def spy(fn: Any, *args: Any, **kwargs: Any) -> inspect.Signature:
+        if fn is grad_fn:
+            reads.append(fn)
+        return real(fn, *args, **kwargs)
+
+    step = ps.train_step(grad_fn, opt, donate=True)
+    state = ps.init_state({"m": net}, opt, seed=0)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(inspect, "signature", spy)
+        for i in range(3):
+            state, _ = step(state, _batch(i, 4))
+    assert len(reads) == 1, reads
