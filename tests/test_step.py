@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -1282,10 +1283,12 @@ def test_a_bound_roles_loss_reaching_another_bound_role_with_its_own_loss_is_ref
         step = ps.train_step(ps.value_and_grad(loss_fn), opt, donate=True)
         with pytest.raises(ValueError, match="reaches the params of bound role") as info:
             step(state, _batch(0, 4))
-        assert str(info.value).startswith(
+        assert str(info.value) == (
             "the loss of bound role 'critic' reaches the params of bound role 'student', "
             "which has a loss of its own: bound (FSDP) roles run one backward() over all "
-            "their losses, so the gradient of 'student' would include the loss of 'critic'."
+            "their losses, so the gradient of 'student' would include the loss of 'critic'. "
+            "Detach what the loss of 'critic' reads from the modules of 'student' (e.g. "
+            "critic(student_out.detach())), or return one loss for both"
         ), str(info.value)
         testing.assert_trees_equal(fsdp.gather(state["params"]), before)
 
@@ -1596,3 +1599,23 @@ def test_a_custom_grad_fns_signature_is_read_once_per_function() -> None:
         for i in range(3):
             state, _ = step(state, _batch(i, 4))
     assert len(reads) == 1, reads
+
+
+def test_batch_errors_without_tensors_or_batch_dimension_have_whole_messages() -> None:
+    """A batch with no tensors, and a TensorDict without a batch dimension asked for its
+    size, are refused with the whole message."""
+    with pytest.raises(errors.BatchError) as info:
+        ps.step.as_batch({"nested": TensorDict({}, [])})
+    assert str(info.value) == "batch is empty: it has no tensors"
+    whole = "batch has no batch dimension; build it with batch_size=[B]"
+    with pytest.raises(ValueError, match=re.escape(whole) + "$"):
+        ps.step.batch_size(TensorDict({"x": torch.zeros(3)}, []))
+
+
+def test_with_index_puts_the_index_on_the_batchs_device() -> None:
+    """The index with_index adds lives on the device of the batch's tensors (here ``meta``,
+    not the default device), as int64 ids."""
+    batch = TensorDict({"x": torch.empty(3, 2, device="meta")}, [3])
+    index = ps.step.with_index(batch)["index"]
+    assert index.device.type == "meta" and index.dtype == torch.int64
+    assert tuple(index.shape) == (3,)
