@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -1282,9 +1283,339 @@ def test_a_bound_roles_loss_reaching_another_bound_role_with_its_own_loss_is_ref
         step = ps.train_step(ps.value_and_grad(loss_fn), opt, donate=True)
         with pytest.raises(ValueError, match="reaches the params of bound role") as info:
             step(state, _batch(0, 4))
-        assert str(info.value).startswith(
+        assert str(info.value) == (
             "the loss of bound role 'critic' reaches the params of bound role 'student', "
             "which has a loss of its own: bound (FSDP) roles run one backward() over all "
-            "their losses, so the gradient of 'student' would include the loss of 'critic'."
+            "their losses, so the gradient of 'student' would include the loss of 'critic'. "
+            "Detach what the loss of 'critic' reads from the modules of 'student' (e.g. "
+            "critic(student_out.detach())), or return one loss for both"
         ), str(info.value)
         testing.assert_trees_equal(fsdp.gather(state["params"]), before)
+
+
+# --- state and batch checks: whole messages, caches, custom grad_fns (mutation survivors) ------
+
+
+@pytest.mark.parametrize("leaf", ["weight", "bias"])
+def test_a_donated_step_refuses_a_user_key_viewing_a_param_with_the_whole_message(
+    leaf: str,
+) -> None:
+    """A user key that views a param's memory would change with every donated update: the
+    donated step refuses it with the whole message (both paths, why, what to do) and the
+    error's path is the written leaf listed first; the plain step trains it and leaves the
+    user key as it was."""
+    net = nn.Linear(2, 1)
+    opt = {"m": optim.sgd(1e-2)}
+
+    def loss_fn(p: TensorDictBase, b: TensorDictBase, key: torch.Tensor) -> Any:
+        return (ps.call(net, p["m"], b["x"]) ** 2).mean(), {}
+
+    state = ps.init_state({"m": net}, opt, seed=0)
+    state["extra"] = state["params", "m", leaf][0]
+    before = state["extra"].clone()
+    batch = {"x": torch.ones(4, 2)}
+    with pytest.raises(errors.StateError) as info:
+        ps.train_step(ps.value_and_grad(loss_fn), opt, donate=True)(state, batch)
+    assert str(info.value) == (
+        f"train_step: params.m.{leaf} shares memory with extra, so a donated step would update "
+        "that memory twice. Give each role (and each leaf) its own tensors: init_state copies "
+        "modules and keeps one leaf per tied parameter; pass a TensorDict as .clone() when "
+        "another role (or another key) uses the same tensors. extra is not written by the "
+        "step, so a donated update of the leaf it shares would change it too"
+    )
+    assert info.value.path == ("params", "m", leaf)
+    new, _ = ps.train_step(ps.value_and_grad(loss_fn), opt)(state, batch)
+    assert torch.equal(state["extra"], before) and torch.equal(new["extra"], before)
+
+
+def test_an_opt_state_leaf_both_reshaped_and_out_of_order_is_named_as_the_mismatch_only() -> None:
+    """When a per-param optimizer leaf has the wrong shape, the error names that leaf; the
+    order of the leaves is not reported on top of it (the mismatch is the fault to fix)."""
+    net = nn.Linear(2, 1)
+    opt = {"m": optim.sgd(1e-2, momentum=0.9)}
+    state = ps.init_state({"m": net}, opt, seed=0)
+    state["opt_state", "m", "momentum_buffer"] = TensorDict(
+        {"bias": torch.zeros(1), "weight": torch.zeros(2, 1)}, []
+    )
+    with pytest.raises(errors.StateError) as info:
+        ps.step.check_state(state, opt, who="train_step")
+    assert str(info.value) == (
+        "train_step: opt_state.m does not fit params.m (optimizer sgd): "
+        "opt_state.m.momentum_buffer.weight is a torch.float32 tensor of shape (2, 1), "
+        "expected a torch.float32 tensor of shape (1, 2) for params.m.weight. params and "
+        "opt_state must describe the same parameters: change them together, or rebuild the "
+        "state with init_state"
+    )
+    assert info.value.path == ("opt_state", "m", "momentum_buffer", "weight")
+
+
+class _RacingCache(dict[int, int]):
+    """A cache another thread changes while the oldest entry is dropped: ``how`` says how."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__({1: 1, 2: 2})
+        self.how = how
+
+    def __iter__(self) -> Any:
+        if self.how == "emptied":  # another thread removed every entry after the size check
+            return iter(())
+        if self.how == "resized":  # ... or resized the dict while it is iterated
+            raise RuntimeError("dictionary changed size during iteration")
+        return super().__iter__()
+
+    def __delitem__(self, key: int) -> None:
+        if self.how == "deleted":  # ... or dropped the same oldest entry first
+            raise KeyError(key)
+        super().__delitem__(key)
+
+
+@pytest.mark.parametrize("how", ["emptied", "resized", "deleted"])
+def test_dropping_the_oldest_check_cache_entry_survives_a_concurrent_change(how: str) -> None:
+    """The state-check caches are shared by threads (a data-parallel trainer per thread):
+    evicting their oldest entry while another thread empties, resizes or evicts the same
+    entry is not an error (the entry is gone either way)."""
+    from purestep.step import _validate
+
+    cache = _RacingCache(how)
+    _validate._drop_oldest(cache)
+    cache.how = "none"
+    assert list(cache) == [1, 2]
+    _validate._drop_oldest(cache)
+    assert list(cache) == [2]
+
+
+def _linear_sgd_setup() -> tuple[nn.Module, dict[str, optim.Transform], Any]:
+    net = _mlp(0)
+    opt = {"m": optim.sgd(0.1, momentum=0.9)}
+
+    def loss_fn(p: TensorDictBase, b: TensorDictBase, key: torch.Tensor) -> Any:
+        return ((ps.call(net, p["m"], b["x"]) - b["y"]) ** 2).mean(), {}
+
+    return net, opt, loss_fn
+
+
+def test_donated_apply_gradients_checks_sharing_once_per_structure() -> None:
+    """apply_gradients(donate=True) registers its output as checked for donation: the next
+    donated call on it re-checks no (params, opt_state) pair; the first call checks in full.
+    The results equal torch.optim.SGD's on the same gradients."""
+    from purestep.step import _validate
+
+    net, opt, loss_fn = _linear_sgd_setup()
+    ref = _mlp(0)
+    torch_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    state = ps.init_state({"m": net}, opt, seed=0)
+    misses: list[object] = []
+    known = _validate._known
+
+    def spy(a: object, b: object, tag: object) -> bool:
+        hit: bool = known(a, b, tag)
+        if not hit:
+            misses.append(tag)
+        return hit
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_validate, "_known", spy)
+        for i in range(3):
+            b = _batch(i, 4)
+            grads, _ = ps.value_and_grad(loss_fn)(state["params"], b, rng.key(0))
+            misses.clear()
+            state = ps.apply_gradients(state, grads, opt, donate=True)
+            assert bool(misses) == (i == 0), (i, misses)
+            torch_opt.zero_grad()
+            ((ref(b["x"]) - b["y"]) ** 2).mean().backward()
+            torch_opt.step()
+    testing.assert_trees_close(state["params", "m"], ps.params_of("m", ref), rtol=1e-6, atol=1e-7)
+
+
+def test_a_donated_step_on_its_own_output_rechecks_only_the_top_level_leaves() -> None:
+    """The donated sharing check walks every leaf of a new state, and only the top-level
+    leaves (step, rng, user tensors) of a state a donated step returned (its subtrees were
+    built from checked ones)."""
+    from purestep.step import _validate
+
+    net, opt, loss_fn = _linear_sgd_setup()
+    step = ps.train_step(ps.value_and_grad(loss_fn), opt, donate=True)
+    state = ps.init_state({"m": net}, opt, seed=0)
+    walked: list[list[tuple[str, ...]]] = []
+    real = _validate.shared_memory
+
+    def spy(items: Any) -> Any:
+        items = list(items)
+        walked.append([path for path, _ in items])
+        return real(items)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_validate, "shared_memory", spy)
+        for i in range(3):
+            walked.clear()
+            state, _ = step(state, _batch(i, 4))
+            assert len(walked) == 1, walked
+            if i == 0:
+                assert ("params", "m", "0", "weight") in walked[0]
+            else:
+                assert sorted(walked[0]) == [("rng",), ("step",)], walked
+
+
+class _SlotsGradFn:
+    """A grad_fn object without weak references (``__slots__``), taking only ``roles=``."""
+
+    __slots__ = ("gf",)
+
+    def __init__(self, gf: ps.step.GradFn) -> None:
+        self.gf = gf
+
+    def __call__(
+        self, params: TensorDictBase, batch: TensorDictBase, key: torch.Tensor, *, roles: Any
+    ) -> tuple[TensorDict, TensorDict]:
+        return self.gf(params, batch, key, roles=roles)
+
+
+class _UnreadableGradFn(_SlotsGradFn):
+    """A grad_fn whose signature cannot be read: it is called with the step's arguments only."""
+
+    __slots__ = ("__weakref__",)
+    __signature__ = "not a signature"
+
+
+def _custom_grad_fn(kind: str, gf: ps.step.GradFn) -> Any:
+    if kind == "slots":
+        return _SlotsGradFn(gf)
+    if kind == "unreadable":
+        return _UnreadableGradFn(gf)
+    if kind == "kwargs":
+
+        def with_kwargs(
+            params: TensorDictBase, batch: TensorDictBase, key: torch.Tensor, **kw: Any
+        ) -> Any:
+            return gf(params, batch, key, **kw)
+
+        return with_kwargs
+
+    def roles_only(
+        params: TensorDictBase, batch: TensorDictBase, key: torch.Tensor, *, roles: Any
+    ) -> Any:
+        return gf(params, batch, key, roles=roles)
+
+    return roles_only
+
+
+@pytest.mark.parametrize("donate", [False, True])
+@pytest.mark.parametrize("kind", ["roles_only", "slots", "unreadable", "kwargs"])
+def test_a_custom_grad_fn_without_buffers_trains_like_the_imperative_loop(
+    kind: str, donate: bool
+) -> None:
+    """On a state without buffers, a custom grad_fn that takes only ``roles=`` (a function, an
+    object without weak references, one whose signature cannot be read) or ``**kwargs`` is
+    called without ``buffers=``/``donate=`` where it cannot take them, and trains like
+    torch's SGD loop, twice over (its signature is read once and kept)."""
+    net, opt, loss_fn = _linear_sgd_setup()
+    ref = _mlp(0)
+    torch_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    fn = _custom_grad_fn(kind, ps.value_and_grad(loss_fn))
+    for _ in range(2):
+        step = ps.train_step(fn, opt, donate=donate)
+        state = ps.init_state({"m": net}, opt, seed=0)
+        for i in range(3):
+            state, _ = step(state, _batch(i, 4))
+    for i in range(3):
+        b = _batch(i, 4)
+        torch_opt.zero_grad()
+        ((ref(b["x"]) - b["y"]) ** 2).mean().backward()
+        torch_opt.step()
+    testing.assert_trees_close(state["params", "m"], ps.params_of("m", ref), rtol=1e-6, atol=1e-7)
+
+
+def _bn_setup() -> tuple[nn.Module, dict[str, optim.Transform], Any]:
+    net = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+    opt = {"m": optim.sgd(0.1)}
+
+    def loss_fn(p: TensorDictBase, b: TensorDictBase, key: torch.Tensor) -> Any:
+        return ((ps.call(net, p["m"], b["x"]) - b["y"]) ** 2).mean(), {}
+
+    return net, opt, loss_fn
+
+
+def test_a_custom_grad_fn_taking_kwargs_gets_the_buffers_and_updates_them_like_torch() -> None:
+    """A grad_fn with ``**kwargs`` accepts ``buffers=``: a BatchNorm role's running stats
+    and params after three steps equal torch's loop on the module itself."""
+    import copy
+
+    net, opt, loss_fn = _bn_setup()
+    ref = copy.deepcopy(net)
+    step = ps.train_step(_custom_grad_fn("kwargs", ps.value_and_grad(loss_fn)), opt)
+    state = ps.init_state({"m": net}, opt, seed=0)
+    torch_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for i in range(3):
+        b = _batch(i, 4, d_in=3)
+        state, _ = step(state, b)
+        torch_opt.zero_grad()
+        ((ref(b["x"]) - b["y"]) ** 2).mean().backward()
+        torch_opt.step()
+    testing.assert_trees_close(state["params", "m"], ps.params_of("m", ref), rtol=1e-6, atol=1e-7)
+    testing.assert_trees_close(state["buffers", "m"], ps.buffers_of("m", ref), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("kind", ["roles_only", "slots", "unreadable"])
+def test_a_custom_grad_fn_without_buffers_on_a_state_with_buffers_is_refused(kind: str) -> None:
+    """A state with buffers needs a grad_fn that takes ``buffers=``: one that cannot is
+    refused with the whole message, naming the roles with buffers."""
+    net, opt, loss_fn = _bn_setup()
+    step = ps.train_step(_custom_grad_fn(kind, ps.value_and_grad(loss_fn)), opt)
+    state = ps.init_state({"m": net}, opt, seed=0)
+    with pytest.raises(TypeError) as info:
+        step(state, _batch(0, 4, d_in=3))
+    assert str(info.value) == (
+        "train_step: the state has buffers for roles ['m'], but grad_fn does not accept "
+        "buffers=; build it with purestep.value_and_grad (and accumulate), or give a custom "
+        "grad_fn the keyword arguments buffers= and donate="
+    )
+
+
+def test_a_custom_grad_fns_signature_is_read_once_per_function() -> None:
+    """train_step reads which keywords a custom grad_fn takes (``buffers=``, ``donate=``) from
+    its signature once per function object, not on every step."""
+    import inspect
+
+    net, opt, loss_fn = _linear_sgd_setup()
+    gf = ps.value_and_grad(loss_fn)
+
+    def grad_fn(
+        params: TensorDictBase, batch: TensorDictBase, key: torch.Tensor, *, roles: Any
+    ) -> Any:
+        return gf(params, batch, key, roles=roles)
+
+    reads: list[object] = []
+    real = inspect.signature
+
+    def spy(fn: Any, *args: Any, **kwargs: Any) -> inspect.Signature:
+        if fn is grad_fn:
+            reads.append(fn)
+        return real(fn, *args, **kwargs)
+
+    step = ps.train_step(grad_fn, opt, donate=True)
+    state = ps.init_state({"m": net}, opt, seed=0)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(inspect, "signature", spy)
+        for i in range(3):
+            state, _ = step(state, _batch(i, 4))
+    assert len(reads) == 1, reads
+
+
+def test_batch_errors_without_tensors_or_batch_dimension_have_whole_messages() -> None:
+    """A batch with no tensors, and a TensorDict without a batch dimension asked for its
+    size, are refused with the whole message."""
+    with pytest.raises(errors.BatchError) as info:
+        ps.step.as_batch({"nested": TensorDict({}, [])})
+    assert str(info.value) == "batch is empty: it has no tensors"
+    whole = "batch has no batch dimension; build it with batch_size=[B]"
+    with pytest.raises(ValueError, match=re.escape(whole) + "$"):
+        ps.step.batch_size(TensorDict({"x": torch.zeros(3)}, []))
+
+
+def test_with_index_puts_the_index_on_the_batchs_device() -> None:
+    """The index with_index adds lives on the device of the batch's tensors (here ``meta``,
+    not the default device), as int64 ids."""
+    batch = TensorDict({"x": torch.empty(3, 2, device="meta")}, [3])
+    index = ps.step.with_index(batch)["index"]
+    assert index.device.type == "meta" and index.dtype == torch.int64
+    assert tuple(index.shape) == (3,)
