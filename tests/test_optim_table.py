@@ -971,3 +971,21 @@ def test_state_count_and_lr_are_cpu_scalars_and_moments_follow_params(name: str)
                     assert m.dtype == p.dtype and m.device == p.device and not m.any(), key
     _, state = opt.step(params.apply(torch.ones_like), state, params)
     assert int(state["count"]) == 1 and state["count"].device.type == "cpu"
+
+
+@pytest.mark.parametrize("name", sorted(ROWS))
+def test_counters_and_lr_are_cpu_scalars_even_under_a_meta_default_device(name: str) -> None:
+    """Meta-device initialization (``with torch.device("meta")``, as before ``fully_shard``)
+    still gives the state's scalars (``count``, ``lr``, per-param step counts) on the CPU,
+    where DESIGN puts them, and every moment on the params' device: a meta count could
+    never be read, saved or advanced."""
+    row = ROWS[name]
+    with torch.device("meta"):
+        params = TensorDict({"w": torch.empty(4, 3), "b": torch.empty(3)}, [])
+        transform = optim.chain(row.make(**row.example), optim.scale_by_schedule(0.5))
+        state = transform.init(params)
+    leaves = dict(state.items(include_nested=True, leaves_only=True))
+    assert {k[-1] for k in leaves} >= {"count"}, sorted(leaves)
+    for key, value in leaves.items():
+        # Scalars (count, lr, per-param step counts) on the CPU, moments like the params.
+        assert value.device.type == ("cpu" if value.dim() == 0 else "meta"), (key, value.device)

@@ -46,7 +46,6 @@ __all__ = [
     "match_layout",
     "pick",
     "scalar_state",
-    "wrap_like",
 ]
 
 _FUSED_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
@@ -131,9 +130,10 @@ def scalar_state(count: int, lr: float | None = None) -> dict[str, torch.Tensor]
         >>> scalar_state(3, 0.5)
         {'count': tensor(3), 'lr': tensor(0.5000, dtype=torch.float64)}
     """
-    out = {"count": torch.tensor(count, dtype=torch.int64)}
+    cpu = torch.device("cpu")  # also under a ``with torch.device(...)`` default
+    out = {"count": torch.tensor(count, dtype=torch.int64, device=cpu)}
     if lr is not None:
-        out["lr"] = torch.tensor(lr, dtype=torch.float64)
+        out["lr"] = torch.tensor(lr, dtype=torch.float64, device=cpu)
     return out
 
 
@@ -272,41 +272,6 @@ def local_shards(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """
     tensor = torch.Tensor
     return [t if type(t) is tensor else tree.local(t) for t in tensors]
-
-
-def _is_dtensor(t: torch.Tensor) -> bool:
-    return type(t) is not torch.Tensor and hasattr(t, "device_mesh")
-
-
-def wrap_like(templates: Sequence[torch.Tensor], local: list[torch.Tensor]) -> list[torch.Tensor]:
-    """New local shards ``local[i]`` as DTensors laid out like ``templates[i]`` where that is one.
-
-    Example:
-        >>> out = wrap_like([torch.zeros(2)], [torch.ones(2)])
-        >>> out[0]
-        tensor([1., 1.])
-    """
-    if not any(_is_dtensor(t) for t in templates):
-        return local
-    from torch.distributed.tensor import DTensor
-
-    out: list[torch.Tensor] = []
-    for t, x in zip(templates, local, strict=True):
-        if _is_dtensor(t):
-            d: DTensor = t  # type: ignore[assignment]
-            out.append(
-                DTensor.from_local(
-                    x,
-                    d.device_mesh,
-                    d.placements,
-                    run_check=False,
-                    shape=d.shape,
-                    stride=d.stride(),
-                )
-            )
-        else:
-            out.append(x)
-    return out
 
 
 def foreach_mul_(tensors: list[torch.Tensor], factor: float | torch.Tensor) -> None:
