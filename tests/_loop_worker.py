@@ -120,19 +120,27 @@ def build(num_steps: int, *, gather: bool = False) -> tuple[Any, Any]:
 
 
 def distributed_run(
-    root: str, num_steps: int, data_seed: int, *, total: int = 8, term_at: int = 0
+    root: str,
+    num_steps: int,
+    data_seed: int,
+    *,
+    total: int = 8,
+    term_at: int = 0,
+    term_ranks: tuple[int, ...] = (1,),
 ) -> dict[str, Any]:
     """A task for ``WorkerPool``: ``run`` on every rank, each with its own stateful data shard.
 
-    ``term_at``: rank 1 alone sends itself SIGTERM during step ``term_at``'s evaluation;
-    every rank must stop after that step. Returns ``{"state", "preempted"}`` (plain tensors).
+    ``term_at``: the ranks in ``term_ranks`` (rank 1 alone by default) send themselves
+    SIGTERM during step ``term_at``'s evaluation; every rank must stop after that step.
+    Returns ``{"state", "preempted", "signum"}`` (plain tensors; the step and signal of
+    the ``Preempted`` raised, or None).
     """
     r = dist.get_rank()
     step, state = build(total, gather=True)
     data = ShuffledData(make_batches()[r::2], seed=data_seed + r)
 
     def eval_fn(s: Any) -> dict[str, float]:
-        if term_at and r == 1 and int(s["step"]) == term_at:
+        if term_at and r in term_ranks and int(s["step"]) == term_at:
             os.kill(os.getpid(), signal.SIGTERM)
         return {}
 
@@ -149,8 +157,12 @@ def distributed_run(
             eval_every=1,
         )
     except loop.Preempted as e:
-        return {"state": e.state.apply(lambda t: t.clone()), "preempted": e.step}
-    return {"state": final, "preempted": None}
+        return {
+            "state": e.state.apply(lambda t: t.clone()),
+            "preempted": e.step,
+            "signum": e.signum,
+        }
+    return {"state": final, "preempted": None, "signum": None}
 
 
 def timeouts_seen(root: str) -> dict[str, float]:

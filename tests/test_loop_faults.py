@@ -189,13 +189,20 @@ def test_sigterm_saves_a_checkpoint_that_resumes_to_the_same_state(
 @pytest.mark.distributed
 def test_two_ranks_stop_together_and_resume_their_own_data(tmp_path: Path) -> None:
     """World size 2 (gloo), each rank with its own stateful data shard: SIGTERM reaching rank 1
-    only stops both ranks after the same step, with one checkpoint holding each rank's data
+    only stops both ranks after the same step, reporting SIGTERM on both (as does SIGTERM
+    reaching both ranks at once), with one checkpoint holding each rank's data
     state; resumed with data built from other seeds, both ranks end bitwise equal to an
     uninterrupted run."""
     with WorkerPool(2) as pool:
         ref = pool.run(worker.distributed_run, str(tmp_path / "ref"), 8, 0)
         stop = pool.run(worker.distributed_run, str(tmp_path / "run"), 8, 0, term_at=3)
         assert [o["preempted"] for o in stop] == [3, 3]
+        assert [o["signum"] for o in stop] == [signal.SIGTERM, signal.SIGTERM]
+        both = pool.run(
+            worker.distributed_run, str(tmp_path / "both"), 8, 0, term_at=5, term_ranks=(0, 1)
+        )
+        # Every rank reports the signal itself, not a sum of the ranks' flags (signal 30).
+        assert [(o["preempted"], o["signum"]) for o in both] == [(5, signal.SIGTERM)] * 2
         md = ckpt.read_metadata(ckpt.latest(tmp_path / "run"))
         assert md["step"] == 3
         assert sorted(md["per_rank_keys"]) == ["0", "1"]
