@@ -878,6 +878,47 @@ def test_donated_step_updates_params_in_their_own_buffers(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", ALL)
+def test_update_fn_and_step_fn_called_directly_are_pure_by_default(name: str) -> None:
+    """The functions a Transform holds default to ``donate=False`` as the methods do: called
+    directly without it they write no input and return no buffer of theirs."""
+    opt = example(name)
+    init, gs = make_data([(3, 2), (4,)], 1, torch.float32, steps=2)
+    params = as_tree(init)
+    state = opt.init(params)
+    params, state = opt.step(as_tree(gs[0]), state, params)  # non-zero moments first
+    g = as_tree(gs[1])
+    before = [tree.clone(td) for td in (params, g, state)]
+    fns = [opt.update_fn] + ([opt.step_fn] if opt.step_fn is not None else [])
+    outs = [out for fn in fns for out in fn(g, state, params)]
+    for td, ref in zip((params, g, state), before, strict=True):
+        assert_trees_equal(td, ref)
+    inputs = ptrs(params, g, state)
+    for out in outs:
+        assert not inputs & ptrs(out)
+
+
+@pytest.mark.parametrize("name", sorted(ROWS))
+def test_state_dtypes_and_devices_do_not_follow_the_default_dtype_or_device(name: str) -> None:
+    """init of CPU params under another default device (meta) or dtype (float64) gives the
+    state of a plain init: every leaf on the params' device, scalars and step counts in
+    their own dtypes (float32 step counts, not the default float64)."""
+    row = ROWS[name]
+    opt = row.make(**row.example)
+    params = TensorDict({"w": torch.ones(4, 3), "b": torch.ones(3)}, [])
+    ref = opt.init(params)
+    with torch.device("meta"):
+        on_meta = opt.init(params)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        in_fp64 = opt.init(params)
+    finally:
+        torch.set_default_dtype(default)
+    assert_trees_equal(on_meta, ref)
+    assert_trees_equal(in_fp64, ref)
+
+
+@pytest.mark.parametrize("name", ALL)
 @pytest.mark.parametrize("donate", [False, True])
 def test_empty_tree_is_a_no_op(name: str, donate: bool) -> None:
     """A params tree with no leaves steps and updates without error and stays empty."""
