@@ -399,6 +399,17 @@ def test_every_argument_reaches_the_hparams_with_its_documented_default(name: st
 
 
 @pytest.mark.parametrize("name", sorted(ROWS))
+def test_each_optimizer_is_named_as_chain_reports_it(name: str) -> None:
+    """An optimizer's Transform carries its own name (chains and reprs show it)."""
+    row = ROWS[name]
+    opt = row.make(**row.example)
+    assert opt.name == name
+    assert optim.chain(optim.clip_by_global_norm(1.0), opt).name == (
+        f"chain(clip_by_global_norm, {name})"
+    )
+
+
+@pytest.mark.parametrize("name", sorted(ROWS))
 @pytest.mark.parametrize(
     ("param_dtype", "grad_dtype"),
     [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)],
