@@ -284,6 +284,18 @@ def test_optimizers_match_torch_fused_on_cuda(name: str, dtype: torch.dtype, don
             torch.testing.assert_close(got, want.detach())
 
 
+def test_muon_keeps_its_step_counts_with_its_cuda_params() -> None:
+    """muon's per-parameter step counts live on the params' GPU, as adamw's do (the fused
+    AdamW kernel of its fallback params reads them there); a step keeps every leaf there."""
+    params = TensorDict({"w": torch.ones(4, 3, device=DEV), "b": torch.ones(3, device=DEV)}, [])
+    for opt in (optim.muon(lr=0.02), optim.adamw(lr=0.02)):
+        steps = tree.leaves(opt.init(params)["steps"])
+        assert [t.device.type for t in steps] == ["cuda", "cuda"], opt.name
+    opt = optim.muon(lr=0.02)
+    new, state = opt.step(params.apply(torch.ones_like), opt.init(params), params)
+    assert all(t.device.type == "cuda" for t in tree.leaves(new) + tree.leaves(state["steps"]))
+
+
 def test_optimizer_step_does_not_sync() -> None:
     """A donated AdamW step with a schedule (lr from the CPU count) never syncs the host."""
     opt = optim.chain(

@@ -3,6 +3,7 @@ checks, e.g. purity and donation, run on them in test_optim_table.py)."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -205,3 +206,39 @@ def test_clip_init_state_is_a_float32_zero_norm_and_update_does_not_donate_by_de
     out, _ = optim.clip_by_global_norm(1.0).update(g, state)
     assert torch.equal(g["head"], before)
     assert torch.allclose(out["head"], before / (5.0 + 1e-6))
+
+
+@pytest.mark.parametrize("bad", ["0.5", None, True, [0.5]])
+def test_scale_by_schedule_refuses_a_factor_that_is_neither_a_number_nor_callable(
+    bad: object,
+) -> None:
+    """A string, None, a bool or a list is refused when built, with the whole message."""
+    with pytest.raises(
+        TypeError,
+        match=r"^schedule must be a callable count -> value or a number, got "
+        + re.escape(repr(bad))
+        + "$",
+    ):
+        optim.scale_by_schedule(bad)  # type: ignore[arg-type]
+
+
+def test_scale_by_schedule_refuses_grads_that_do_not_match_the_params() -> None:
+    """update with params checks the grads against them, naming the path and both shapes:
+    the method and the ``update_fn`` it holds (called directly, as a custom combinator may)."""
+    t = optim.scale_by_schedule(-1.0)
+    params = TensorDict({"w": torch.ones(2)}, [])
+    for update in (t.update, t.update_fn):
+        with pytest.raises(
+            ValueError, match=r"^grads at w has shape \(3,\), but params has shape \(2,\)$"
+        ):
+            update(TensorDict({"w": torch.ones(3)}, []), t.init(params), params)
+
+
+def test_scale_by_schedule_is_named_and_keeps_its_schedule() -> None:
+    """Its name (as chain reports it) and its hparams, the schedule itself."""
+    sched = schedules.linear(-1.0, 0.0, 4)
+    t = optim.scale_by_schedule(sched)
+    assert t.hparams is sched
+    assert optim.chain(optim.clip_by_global_norm(1.0), t).name == (
+        "chain(clip_by_global_norm, scale_by_schedule)"
+    )

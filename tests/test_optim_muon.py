@@ -4,16 +4,20 @@ AdamW fallback, refusals, the momentum-buffer aliasing regression, a training st
 
 from __future__ import annotations
 
+import inspect
+import re
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 from tensordict import TensorDict
 from torch import nn
 
 from _imperative import assert_same_as_imperative, mse, randn, regression_batches
-from _optim import as_tree, make_data, one_rank_mesh, run_ours
+from _optim import as_tree, assert_trees_equal, make_data, one_rank_mesh, run_ours
 from purestep import optim, tree
 from purestep.errors import ScheduleError
 from purestep.optim import schedules
@@ -67,7 +71,11 @@ def test_use_muon_errors_name_the_path() -> None:
     params = as_tree([torch.ones(3, 2), torch.ones(4)])
     with pytest.raises(TypeError, match=r"use_muon\('body\.l0\.w', param\) returned 1"):
         optim.muon(use_muon=lambda path, p: 1).init(params)  # type: ignore[arg-type, return-value]
-    with pytest.raises(ValueError, match=r"params at head of shape \(4,\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"^muon: use_muon selected params at head of shape \(4,\); "
+        r"Muon orthogonalises matrices \(ndim >= 2\)$",
+    ):
         optim.muon(use_muon=lambda path, p: True).init(params)
 
 
@@ -171,7 +179,8 @@ def world1() -> Iterator[Any]:
 
 def test_sharded_dtensor_params_are_refused_and_replicated_ones_match_plain(world1: Any) -> None:
     """Newton–Schulz needs the whole matrix: a sharded (FSDP-like) param selected for Muon
-    fails at init, or at a step with state from plain params, naming its path; left to AdamW
+    fails at init, or at a step or an update with state from plain params, with the whole
+    message naming its path and placements; left to AdamW
     it trains; a replicated one equals the plain run."""
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
@@ -179,12 +188,18 @@ def test_sharded_dtensor_params_are_refused_and_replicated_ones_match_plain(worl
     w, gw = torch.randn(4, 3, generator=gen), torch.randn(4, 3, generator=gen)
     opt = optim.muon(lr=0.02)
     sharded = TensorDict({"enc": {"w": distribute_tensor(w.clone(), world1, [Shard(0)])}}, [])
-    with pytest.raises(ValueError, match=r"muon: params at enc\.w is a DTensor placed as \(Shard"):
+    refused = re.escape(
+        "muon: params at enc.w is a DTensor placed as (Shard(dim=0),); Newton–Schulz needs the "
+        "whole matrix on each rank, which this implementation does not gather: leave it to the "
+        "AdamW fallback (use_muon=...) or replicate it"
+    )
+    with pytest.raises(ValueError, match=f"^{refused}$"):
         opt.init(sharded)
     plain = TensorDict({"enc": {"w": w.clone()}}, [])
     grads = TensorDict({"enc": {"w": distribute_tensor(gw.clone(), world1, [Shard(0)])}}, [])
-    with pytest.raises(ValueError, match=r"enc\.w is a DTensor"):
-        opt.step(grads, opt.init(plain), sharded)
+    for method in (opt.step, opt.update):
+        with pytest.raises(ValueError, match=f"^{refused}$"):
+            method(grads, opt.init(plain), sharded)
     adam_only = optim.muon(lr=0.02, use_muon=lambda path, p: False)
     new, _ = adam_only.step(grads, adam_only.init(sharded), sharded)
     assert new["enc", "w"].placements == (Shard(0),)
@@ -193,3 +208,93 @@ def test_sharded_dtensor_params_are_refused_and_replicated_ones_match_plain(worl
     got, _ = opt.step(rgrads, opt.init(replicated), replicated)
     ref, _ = opt.step(TensorDict({"enc": {"w": gw.clone()}}, []), opt.init(plain), plain)
     assert torch.equal(got["enc", "w"].full_tensor(), ref["enc", "w"])
+
+
+def test_muon_without_arguments_takes_torch_muons_defaults() -> None:
+    """``muon()`` builds with ``torch.optim.Muon``'s defaults (read back from the built
+    hyperparameters: the signature alone would not show what the body passes on)."""
+    theirs = inspect.signature(torch.optim.Muon.__init__).parameters
+    hp = optim.muon().hparams
+    shared = [k for k, p in theirs.items() if hasattr(hp, k) and p.default is not None]
+    assert "lr" in shared and "momentum" in shared
+    for k in shared:
+        assert getattr(hp, k) == theirs[k].default, k
+    assert hp == optim.MuonHParams()
+
+
+def test_hyperparameter_errors_name_the_field_and_the_bound() -> None:
+    """Refusals name the field; ns_steps is in [1, 100): 99 builds, 100 is refused."""
+    with pytest.raises(TypeError, match=r"^momentum must be a real number, got 'x'$"):
+        optim.muon(momentum="x")  # type: ignore[arg-type]
+    assert optim.muon(ns_steps=99).hparams.ns_steps == 99
+    with pytest.raises(ValueError, match=r"^ns_steps must be in \[1, 100\), got 100$"):
+        optim.muon(ns_steps=100)
+
+
+def test_lr_errors_name_muon() -> None:
+    """lr errors raised by the shared kernel machinery name the optimizer: an opaque lr
+    schedule that goes negative by init (it reads a value that changed after muon was built)
+    or at a later update."""
+    config = {"lr": 0.01}
+    opt = optim.muon(lr=lambda n: config["lr"])
+    config["lr"] = -1.0
+    params = TensorDict({"w": torch.ones(3, 2)}, [])
+    with pytest.raises(ScheduleError, match=r"^muon: the learning rate at update 0 is -1\.0;"):
+        opt.init(params)
+    opt = optim.muon(lr=lambda n: 0.1 - 0.05 * n)
+    params, state = run_ours(opt, [torch.ones(3, 2)], [[torch.ones(3, 2)]] * 2, donate=True)
+    params, state = opt.step(as_tree([torch.ones(3, 2)]), state, params)  # lr 0 at update 2
+    with pytest.raises(ScheduleError, match=r"^muon: the learning rate at update 3 is -0\.05"):
+        opt.step(as_tree([torch.ones(3, 2)]), state, params)
+
+
+@settings(max_examples=10, deadline=None)
+@given(
+    lr=st.floats(0.01, 1.0),
+    weight_decay=st.floats(0.0, 1.0),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+)
+@example(lr=0.5, weight_decay=1.0, dtype=torch.float32)
+def test_weight_decay_alone_multiplies_a_muon_param_by_one_minus_lr_times_it(
+    lr: float, weight_decay: float, dtype: torch.dtype
+) -> None:
+    """With zero gradients the orthogonalised update is zero, so a step of a Muon param is the
+    decoupled decay ``p * (1 - lr * weight_decay)`` alone, for every decay (1.0 included)."""
+    opt = optim.muon(lr=lr, weight_decay=weight_decay, use_muon=lambda path, p: True)
+    p = randn(4, 3, seed=5).to(dtype)
+    params = TensorDict({"w": p.clone()}, [])
+    new, _ = opt.step(
+        TensorDict({"w": torch.zeros(4, 3, dtype=dtype)}, []), opt.init(params), params
+    )
+    assert torch.equal(new["w"], p.mul(1 - lr * weight_decay))
+
+
+def test_with_no_param_selected_muon_is_adamw_with_the_adam_hyperparameters() -> None:
+    """use_muon selecting nothing leaves only the AdamW fallback: every param and moment,
+    matrices included, is bitwise adamw's (no param is orthogonalised)."""
+    init, grads = make_data([(4, 3), (5,), (2, 3, 2)], 4, torch.float32, steps=3)
+    ours = optim.muon(lr=0.01, adam_betas=(0.8, 0.9), use_muon=lambda path, p: False)
+    ref = optim.adamw(lr=0.01, betas=(0.8, 0.9), eps=1e-10, weight_decay=0.0)
+    p1, s1 = run_ours(ours, init, grads, donate=False)
+    p2, s2 = run_ours(ref, init, grads, donate=False)
+    for a, b in zip(tree.leaves(p1), tree.leaves(p2), strict=True):
+        assert torch.equal(a, b)
+    for key in ("mu", "nu", "steps"):
+        for a, b in zip(tree.leaves(s1[key]), tree.leaves(s2[key]), strict=True):
+            assert torch.equal(a, b), key
+
+
+def test_a_donated_update_keeps_the_moments_in_their_own_buffers() -> None:
+    """update(..., donate=True) advances ``mu``, ``nu`` and ``steps`` in the state's own
+    buffers, to the values of the pure update (which writes none of them)."""
+    init, grads = make_data([(4, 3), (3,)], 2, torch.float32, steps=1)
+    opt = optim.muon(lr=0.05)
+    params = as_tree(init)
+    pure_upd, pure_state = opt.update(as_tree(grads[0]), opt.init(params), params)
+    state = opt.init(params)
+    before = {k: [t.data_ptr() for t in tree.leaves(state[k]) if t.numel()] for k in ("mu", "nu")}
+    upd, new_state = opt.update(as_tree(grads[0]), state, params, donate=True)
+    for k, ptrs in before.items():
+        assert [t.data_ptr() for t in tree.leaves(new_state[k]) if t.numel()] == ptrs, k
+    assert_trees_equal(upd, pure_upd)
+    assert_trees_equal(new_state, pure_state)

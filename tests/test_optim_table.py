@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from tensordict import TensorDict
 from torch import Tensor, nn
@@ -384,6 +384,71 @@ def test_defaults_follow_torch(name: str) -> None:
         assert shared, cls
         for k in shared:
             assert ours[k] == theirs[k], (k, ours[k], theirs[k])
+
+
+@pytest.mark.parametrize("name", sorted(ROWS))
+def test_every_argument_reaches_the_hparams_with_its_documented_default(name: str) -> None:
+    """``make()`` with no argument builds hyperparameters equal to the signature's defaults:
+    every argument is passed on (none replaced by a value the signature does not show)."""
+    make = ROWS[name].make
+    hp = make().hparams
+    defaults = {k: p.default for k, p in inspect.signature(make).parameters.items()}
+    assert defaults and all(v is not inspect.Parameter.empty for v in defaults.values())
+    for k, v in defaults.items():
+        assert getattr(hp, k) == v, (k, getattr(hp, k), v)
+
+
+@pytest.mark.parametrize("name", sorted(ROWS))
+def test_each_optimizer_is_named_as_chain_reports_it(name: str) -> None:
+    """An optimizer's Transform carries its own name (chains and reprs show it)."""
+    row = ROWS[name]
+    opt = row.make(**row.example)
+    assert opt.name == name
+    assert optim.chain(optim.clip_by_global_norm(1.0), opt).name == (
+        f"chain(clip_by_global_norm, {name})"
+    )
+
+
+@pytest.mark.parametrize("name", sorted(ROWS))
+@pytest.mark.parametrize(
+    ("param_dtype", "grad_dtype"),
+    [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)],
+)
+def test_grads_in_another_dtype_step_as_if_cast_to_the_params_dtype_first(
+    name: str, param_dtype: torch.dtype, grad_dtype: torch.dtype
+) -> None:
+    """A gradient in another dtype than its param (bf16 grads of fp32 params, or fp32 grads
+    of bf16 params) gives the step of that gradient cast to the param's dtype, bitwise."""
+    row = ROWS[name]
+    init, grads = make_data([(4, 3), (3,)], 7, param_dtype, steps=2)
+    given_as = [[g.to(grad_dtype) for g in gs] for gs in grads]
+    cast = [[g.to(param_dtype) for g in gs] for gs in given_as]
+    for donate in (False, True):
+        p1, s1 = run_ours(row.make(**row.example), init, given_as, donate=donate)
+        p2, s2 = run_ours(row.make(**row.example), init, cast, donate=donate)
+        assert all(t.dtype == param_dtype for t in tree.leaves(p1))
+        assert_trees_equal(p1, p2)
+        assert_trees_equal(s1, s2)
+
+
+@settings(max_examples=10, deadline=None)
+@given(
+    lr=st.floats(0.01, 1.0),
+    weight_decay=st.floats(0.0, 1.0),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+)
+@example(lr=0.5, weight_decay=1.0, dtype=torch.float32)
+def test_lion_with_zero_grads_is_the_decoupled_decay_alone(
+    lr: float, weight_decay: float, dtype: torch.dtype
+) -> None:
+    """From zero momentum a zero gradient has sign 0, so a Lion step is ``p * (1 - lr * wd)``
+    alone, for every decay (1.0 included)."""
+    opt = optim.lion(lr=lr, weight_decay=weight_decay)
+    p = torch.linspace(-2.0, 3.0, 12).reshape(4, 3).to(dtype)
+    params = TensorDict({"w": p.clone()}, [])
+    zeros = TensorDict({"w": torch.zeros(4, 3, dtype=dtype)}, [])
+    new, _ = opt.step(zeros, opt.init(params), params)
+    assert torch.equal(new["w"], p.mul(1 - lr * weight_decay))
 
 
 # Hyperparameter validation at the exact boundaries ----------------------------------
@@ -878,6 +943,47 @@ def test_donated_step_updates_params_in_their_own_buffers(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", ALL)
+def test_update_fn_and_step_fn_called_directly_are_pure_by_default(name: str) -> None:
+    """The functions a Transform holds default to ``donate=False`` as the methods do: called
+    directly without it they write no input and return no buffer of theirs."""
+    opt = example(name)
+    init, gs = make_data([(3, 2), (4,)], 1, torch.float32, steps=2)
+    params = as_tree(init)
+    state = opt.init(params)
+    params, state = opt.step(as_tree(gs[0]), state, params)  # non-zero moments first
+    g = as_tree(gs[1])
+    before = [tree.clone(td) for td in (params, g, state)]
+    fns = [opt.update_fn] + ([opt.step_fn] if opt.step_fn is not None else [])
+    outs = [out for fn in fns for out in fn(g, state, params)]
+    for td, ref in zip((params, g, state), before, strict=True):
+        assert_trees_equal(td, ref)
+    inputs = ptrs(params, g, state)
+    for out in outs:
+        assert not inputs & ptrs(out)
+
+
+@pytest.mark.parametrize("name", sorted(ROWS))
+def test_state_dtypes_and_devices_do_not_follow_the_default_dtype_or_device(name: str) -> None:
+    """init of CPU params under another default device (meta) or dtype (float64) gives the
+    state of a plain init: every leaf on the params' device, scalars and step counts in
+    their own dtypes (float32 step counts, not the default float64)."""
+    row = ROWS[name]
+    opt = row.make(**row.example)
+    params = TensorDict({"w": torch.ones(4, 3), "b": torch.ones(3)}, [])
+    ref = opt.init(params)
+    with torch.device("meta"):
+        on_meta = opt.init(params)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        in_fp64 = opt.init(params)
+    finally:
+        torch.set_default_dtype(default)
+    assert_trees_equal(on_meta, ref)
+    assert_trees_equal(in_fp64, ref)
+
+
+@pytest.mark.parametrize("name", ALL)
 @pytest.mark.parametrize("donate", [False, True])
 def test_empty_tree_is_a_no_op(name: str, donate: bool) -> None:
     """A params tree with no leaves steps and updates without error and stays empty."""
@@ -944,9 +1050,14 @@ def test_update_with_weight_decay_needs_params(name: str) -> None:
 
 @pytest.mark.parametrize("name", sorted(ROWS))
 def test_non_floating_params_fail_at_init_naming_the_path(name: str) -> None:
-    """Integer params cannot be optimized: init names the offending leaf."""
+    """Integer params cannot be optimized: init names the optimizer and the offending leaf,
+    in the whole message."""
     p = TensorDict({"a": {"steps": torch.zeros(2, 2, dtype=torch.int64)}}, [])
-    with pytest.raises(TypeError, match=r"a\.steps.*int64"):
+    with pytest.raises(
+        TypeError,
+        match=f"^{name}: params at a\\.steps has dtype torch\\.int64; "
+        "only floating-point params are supported$",
+    ):
         ROWS[name].make().init(p)
 
 
