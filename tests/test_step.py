@@ -1530,6 +1530,22 @@ def test_a_check_cache_entry_left_by_a_reused_id_is_replaced_when_the_pair_is_re
     assert len(_validate._CHECKED) == 1
 
 
+def test_a_pair_without_weak_references_is_checked_every_time_not_kept(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Registering nodes of a type without weak references (the cache could not tell when
+    they die) is not an error: nothing is kept, so the pair is not known and is checked in
+    full every time."""
+    from purestep.step import _validate
+
+    monkeypatch.setattr(_validate, "_CHECKED", {})
+    a, b = object(), _Node()
+    _validate._remember(a, b, "ema")
+    _validate._remember(b, a, "ema")
+    assert _validate._CHECKED == {}
+    assert not _validate._known(a, b, "ema") and not _validate._known(b, a, "ema")
+
+
 def _linear_sgd_setup() -> tuple[nn.Module, dict[str, optim.Transform], Any]:
     net = _mlp(0)
     opt = {"m": optim.sgd(0.1, momentum=0.9)}
