@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import re
+import sys
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -747,6 +750,58 @@ def test_prepare_batch_equals_with_index_of_as_batch(
     assert d.keys() == before.keys() and all(d[k] is before[k] for k in d), "caller's dict changed"
 
 
+def test_prepare_batch_builds_a_flat_dict_of_tensors_in_one_construction(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A plain dict of str keys to tensors of >= 1 dim agreeing on B and device (the usual
+    data-loader output) takes the direct path: the general as_batch/with_index path is not
+    run, and the result holds the caller's tensors and an arange index."""
+    from purestep.step import _batch
+
+    def general(*_: Any) -> Any:
+        raise AssertionError("the general path ran for a flat dict of tensors")
+
+    monkeypatch.setattr(_batch, "as_batch", general)
+    monkeypatch.setattr(_batch, "with_index", general)
+    x, y = torch.zeros(3, 2), torch.ones(3)
+    got = _batch.prepare_batch({"x": x, "y": y})
+    assert got.batch_size == torch.Size([3])
+    assert got["x"] is x and got["y"] is y
+    assert torch.equal(got["index"], torch.arange(3))
+
+
+@pytest.mark.parametrize("value", [3, 2.5], ids=["int", "float"])
+def test_prepare_batch_refuses_a_python_number_first_like_as_batch(value: float) -> None:
+    """A dict whose first entry is a Python number (not a tensor: no ndim) takes the general
+    path and gets as_batch's error naming the key, not an AttributeError."""
+    from purestep.step._batch import prepare_batch
+
+    with pytest.raises(errors.BatchError) as info:
+        prepare_batch({"x": value, "y": torch.zeros(2)})
+    assert str(info.value) == (
+        "batch key 'x' is a 0-dim tensor; every batch entry needs a leading batch dimension"
+    )
+
+
+@pytest.mark.parametrize("where", ["default_meta", "batch_meta"])
+def test_prepare_batch_puts_the_index_on_the_batchs_device_not_the_default_one(
+    where: str,
+) -> None:
+    """The index a step assigns lives on the batch's device, whatever the default device
+    (a meta default device, as set for deferred model init, with a CPU batch; or a meta
+    batch under the CPU default)."""
+    from purestep.step._batch import prepare_batch
+
+    if where == "default_meta":
+        x, ctx = torch.zeros(3, 2), torch.device("meta")
+    else:
+        x, ctx = torch.zeros(3, 2, device="meta"), contextlib.nullcontext()
+    with ctx:
+        got = prepare_batch({"x": x})
+    assert got["index"].device == x.device
+    assert got["index"].dtype == torch.int64 and got["index"].shape == (3,)
+
+
 # --- batches at the step boundary: as_batch, check_index, with_index ------------------------
 
 EMPTY_BATCH = (
@@ -919,6 +974,50 @@ def test_check_index_sorts_an_index_once_and_only_when_ids_could_repeat(
     assigned = ps.step.with_index(TensorDict({"x": torch.zeros(4)}, [4]))["index"]
     assert ps.step.check_index(assigned) is assigned
     assert sorts == []
+
+
+def test_the_distinct_index_cache_forgets_an_index_when_it_dies(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An index tensor's entry in the checked-index cache goes away with the tensor (its
+    weak reference's callback), so dead indexes never push live ones out of the bounded
+    cache; an index whose entry was evicted first dies without an error (none reaches
+    sys.unraisablehook)."""
+    from purestep.step import _batch
+
+    errs: list[Any] = []
+    monkeypatch.setattr(_batch, "_DISTINCT", {})
+    monkeypatch.setattr(sys, "unraisablehook", errs.append)
+    idx = torch.tensor([4, 1, 2])
+    key = id(idx)
+    assert ps.step.check_index(idx) is idx and _batch._known_distinct(idx)
+    del idx
+    gc.collect()
+    assert key not in _batch._DISTINCT and _batch._DISTINCT == {}
+    live = [torch.arange(3) + i for i in range(65)]
+    for t in live:
+        ps.step.check_index(t)
+    assert len(_batch._DISTINCT) == 64 and id(live[0]) not in _batch._DISTINCT
+    del live[0]  # its entry was evicted: its callback finds nothing to remove
+    gc.collect()
+    assert [e.exc_value for e in errs] == []
+    assert len(_batch._DISTINCT) == 64 and all(_batch._known_distinct(t) for t in live)
+
+
+@pytest.mark.parametrize("how", ["emptied", "resized", "deleted"])
+def test_remembering_a_checked_index_survives_a_concurrent_change_of_the_full_cache(
+    how: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The checked-index cache is shared by threads: evicting its oldest entry when it is
+    full while another thread empties it, resizes it or evicts the same entry is not an
+    error, and the new index is remembered all the same."""
+    from purestep.step import _batch
+
+    cache = _RacingCache(how, size=64)
+    monkeypatch.setattr(_batch, "_DISTINCT", cache)
+    idx = torch.tensor([4, 1, 2])
+    assert ps.step.check_index(idx) is idx
+    assert _batch._known_distinct(idx)
 
 
 def test_check_index_does_not_read_the_values_of_a_traced_index() -> None:
@@ -1352,8 +1451,8 @@ def test_an_opt_state_leaf_both_reshaped_and_out_of_order_is_named_as_the_mismat
 class _RacingCache(dict[int, int]):
     """A cache another thread changes while the oldest entry is dropped: ``how`` says how."""
 
-    def __init__(self, how: str) -> None:
-        super().__init__({1: 1, 2: 2})
+    def __init__(self, how: str, size: int = 2) -> None:
+        super().__init__({i: i for i in range(1, size + 1)})
         self.how = how
 
     def __iter__(self) -> Any:
@@ -1382,6 +1481,69 @@ def test_dropping_the_oldest_check_cache_entry_survives_a_concurrent_change(how:
     assert list(cache) == [1, 2]
     _validate._drop_oldest(cache)
     assert list(cache) == [2]
+
+
+class _Node:
+    """A weakly referenceable node, standing for a (params, opt_state) subtree."""
+
+
+def test_remembering_a_known_pair_again_evicts_nothing_from_the_full_check_cache(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Registering a pair that is already registered (the same two nodes and tag) is a no-op:
+    with the check cache full it does not drop the oldest entry to make room, so every pair
+    stays known and the cache stays at its bound."""
+    from purestep.step import _validate
+
+    monkeypatch.setattr(_validate, "_CHECKED", {})
+    tag = "ema"
+    pairs = [(_Node(), _Node()) for _ in range(_validate._CACHE_SIZE)]
+    for a, b in pairs:
+        _validate._remember(a, b, tag)
+    for a, b in (pairs[-1], pairs[0], pairs[len(pairs) // 2]):
+        _validate._remember(a, b, tag)
+    assert len(_validate._CHECKED) == _validate._CACHE_SIZE
+    assert all(_validate._known(a, b, tag) for a, b in pairs)
+
+
+@pytest.mark.parametrize("dead", ["first", "second", "both"])
+def test_a_check_cache_entry_left_by_a_reused_id_is_replaced_when_the_pair_is_registered(
+    dead: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The check cache is keyed by ids, which a new object may reuse after the old one dies:
+    an entry whose key matches but whose weak reference(s) point at dead objects does not
+    make a new pair count as registered, and registering the new pair replaces it."""
+    from purestep.step import _validate
+
+    tag = "ema"
+    a, b = _Node(), _Node()
+    gone = _Node()
+    ref_gone = weakref.ref(gone)
+    del gone
+    assert ref_gone() is None
+    ref_a = ref_gone if dead in ("first", "both") else weakref.ref(a)
+    ref_b = ref_gone if dead in ("second", "both") else weakref.ref(b)
+    monkeypatch.setattr(_validate, "_CHECKED", {(id(a), id(b), id(tag)): (ref_a, ref_b, tag)})
+    assert not _validate._known(a, b, tag)
+    _validate._remember(a, b, tag)
+    assert _validate._known(a, b, tag)
+    assert len(_validate._CHECKED) == 1
+
+
+def test_a_pair_without_weak_references_is_checked_every_time_not_kept(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Registering nodes of a type without weak references (the cache could not tell when
+    they die) is not an error: nothing is kept, so the pair is not known and is checked in
+    full every time."""
+    from purestep.step import _validate
+
+    monkeypatch.setattr(_validate, "_CHECKED", {})
+    a, b = object(), _Node()
+    _validate._remember(a, b, "ema")
+    _validate._remember(b, a, "ema")
+    assert _validate._CHECKED == {}
+    assert not _validate._known(a, b, "ema") and not _validate._known(b, a, "ema")
 
 
 def _linear_sgd_setup() -> tuple[nn.Module, dict[str, optim.Transform], Any]:
@@ -1553,6 +1715,42 @@ def test_a_custom_grad_fn_taking_kwargs_gets_the_buffers_and_updates_them_like_t
         torch_opt.step()
     testing.assert_trees_close(state["params", "m"], ps.params_of("m", ref), rtol=1e-6, atol=1e-7)
     testing.assert_trees_close(state["buffers", "m"], ps.buffers_of("m", ref), rtol=1e-6, atol=1e-7)
+
+
+def test_a_bound_roles_buffers_are_the_modules_own_updated_like_the_functional_run() -> None:
+    """A role bound to an FSDP2 module (one rank) with a BatchNorm: the step's forward runs
+    the module as it is, so the state's buffers after each step are the module's own buffer
+    tensors, holding running stats equal to the functional run's (not copies left at the
+    values before the step)."""
+    import copy
+
+    from _optim import one_rank_mesh
+    from purestep.distributed import fsdp
+
+    net, opt, _ = _bn_setup()
+    ref = copy.deepcopy(net)
+
+    def loss_of(mod: nn.Module) -> Any:
+        def loss_fn(p: TensorDictBase, b: TensorDictBase, key: torch.Tensor) -> Any:
+            return ((ps.call(mod, p["m"], b["x"]) - b["y"]) ** 2).mean(), {}
+
+        return loss_fn
+
+    with one_rank_mesh() as mesh:
+        bound = ps.init_state({"m": fsdp.bind(net, mesh=mesh)}, opt, seed=0)
+        plain = ps.init_state({"m": ref}, opt, seed=0)
+        bound_step = ps.train_step(ps.value_and_grad(loss_of(net)), opt, donate=True)
+        plain_step = ps.train_step(ps.value_and_grad(loss_of(ref)), opt)
+        for i in range(3):
+            b = _batch(i, 4, d_in=3)
+            bound, _ = bound_step(bound, b)
+            plain, _ = plain_step(plain, b)
+            own = dict(net.named_buffers())
+            assert all(bound["buffers", "m", *k.split(".")] is t for k, t in own.items()), i
+            testing.assert_trees_close(
+                bound["buffers", "m"], plain["buffers", "m"], rtol=1e-6, atol=1e-7, what=str(i)
+            )
+        assert int(bound["buffers", "m", "1", "num_batches_tracked"]) == 3
 
 
 @pytest.mark.parametrize("kind", ["roles_only", "slots", "unreadable"])
