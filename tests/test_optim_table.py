@@ -989,3 +989,40 @@ def test_counters_and_lr_are_cpu_scalars_even_under_a_meta_default_device(name: 
     for key, value in leaves.items():
         # Scalars (count, lr, per-param step counts) on the CPU, moments like the params.
         assert value.device.type == ("cpu" if value.dim() == 0 else "meta"), (key, value.device)
+
+
+@pytest.mark.parametrize("name", sorted(ROWS))
+@pytest.mark.parametrize(
+    ("p_dtype", "g_dtype"),
+    [
+        (torch.float32, torch.float64),
+        (torch.bfloat16, torch.float32),
+        (torch.float32, torch.float16),
+    ],
+)
+@pytest.mark.parametrize("donate", [False, True])
+def test_grads_of_another_dtype_are_cast_to_each_params_dtype(
+    name: str, p_dtype: torch.dtype, g_dtype: torch.dtype, donate: bool
+) -> None:
+    """Grads in another floating dtype than their params (float64 grads, fp32 grads of bf16
+    params: the fused fp32 and the foreach bf16 paths) step exactly as the grads cast to the
+    params' dtype first, as torch.optim does with a .grad of another dtype."""
+    row = ROWS[name]
+    opt = row.make(**row.example)
+    gen = torch.Generator().manual_seed(5)
+    shapes = [(6, 3), (4,)]
+    p0 = [torch.randn(s, generator=gen).to(p_dtype) for s in shapes]
+    grads = [[torch.randn(s, generator=gen).to(g_dtype) for s in shapes] for _ in range(3)]
+
+    def run(cast: bool) -> tuple[TensorDict, TensorDict]:
+        params = as_tree([t.clone() for t in p0])
+        state = opt.init(params)
+        for gs in grads:
+            g = as_tree([x.to(p_dtype) if cast else x.clone() for x in gs])
+            params, state = opt.step(g, state, params, donate=donate)
+        return params, state
+
+    got_p, got_s = run(cast=False)
+    want_p, want_s = run(cast=True)
+    assert_trees_equal(got_p, want_p)
+    assert_trees_equal(got_s, want_s)
