@@ -1026,3 +1026,30 @@ def test_grads_of_another_dtype_are_cast_to_each_params_dtype(
     want_p, want_s = run(cast=True)
     assert_trees_equal(got_p, want_p)
     assert_trees_equal(got_s, want_s)
+
+
+@pytest.mark.parametrize("name", sorted(ROWS))
+@pytest.mark.parametrize("donate", [False, True])
+def test_params_of_several_dtypes_step_each_as_its_own_tree(name: str, donate: bool) -> None:
+    """A tree mixing float32, float64 and bfloat16 params (three kernel groups: fused and
+    foreach) updates every param exactly as a tree holding that param alone does."""
+    row = ROWS[name]
+    opt = row.make(**row.example)
+    gen = torch.Generator().manual_seed(11)
+    dtypes = [torch.float32, torch.float64, torch.bfloat16, torch.float32]
+    p0 = [torch.randn(5, 3, generator=gen).to(dt) for dt in dtypes]
+    grads = [[torch.randn(5, 3, generator=gen).to(dt) for dt in dtypes] for _ in range(3)]
+
+    names = [tuple(n.split(".")) for n in paths(len(dtypes))]  # each param keeps its path
+
+    def run(idx: list[int]) -> list[Tensor]:
+        params = tree.unflatten([(names[i], p0[i].clone()) for i in idx])
+        state = opt.init(params)
+        for gs in grads:
+            g = tree.unflatten([(names[i], gs[i].clone()) for i in idx])
+            params, state = opt.step(g, state, params, donate=donate)
+        return tree.leaves(params)
+
+    together = run(list(range(len(dtypes))))
+    for i in range(len(dtypes)):
+        assert torch.equal(together[i], run([i])[0]), f"param {i} ({dtypes[i]})"
