@@ -386,6 +386,20 @@ def test_defaults_follow_torch(name: str) -> None:
             assert ours[k] == theirs[k], (k, ours[k], theirs[k])
 
 
+@pytest.mark.parametrize("name", sorted(TORCH_ROWS))
+def test_a_transform_built_without_arguments_uses_torchs_defaults(name: str) -> None:
+    """Called with no arguments, the factory's hyperparameters are the torch counterpart's
+    defaults (the values the function really uses, not only those its signature shows)."""
+    row = ROWS[name]
+    hp = row.make().hparams
+    for cls in row.defaults_of:
+        theirs = {k: p.default for k, p in inspect.signature(cls.__init__).parameters.items()}
+        shared = [k for k in theirs if hasattr(hp, k) and theirs[k] is not None]
+        assert "lr" in shared, cls
+        for k in shared:
+            assert getattr(hp, k) == theirs[k], (k, getattr(hp, k), theirs[k])
+
+
 # Hyperparameter validation at the exact boundaries ----------------------------------
 
 _TINY = 5e-324  # the smallest positive float
