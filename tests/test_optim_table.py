@@ -892,6 +892,22 @@ def test_donated_step_updates_params_in_their_own_buffers(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", ALL)
+def test_donated_step_with_grads_for_a_subset_updates_params_in_their_own_buffers(
+    name: str,
+) -> None:
+    """With grads for some of the params only, donate=True still updates the stepped params in
+    their own buffers (no new param memory), and returns the others as they are."""
+    opt = example(name)
+    init, gs = make_data([(3, 2), (4,), (2, 2)], 0, torch.float32, steps=1)
+    params = as_tree(init)
+    before = ptrs(params)
+    sub = tree.select(as_tree(gs[0]), [gs[0][0], None, gs[0][2]])
+    new_p, _ = opt.step(sub, opt.init(params), params, donate=True)
+    assert ptrs(new_p) == before
+    assert tree.leaves(new_p)[1] is init[1]
+
+
+@pytest.mark.parametrize("name", ALL)
 @pytest.mark.parametrize("donate", [False, True])
 def test_empty_tree_is_a_no_op(name: str, donate: bool) -> None:
     """A params tree with no leaves steps and updates without error and stays empty."""
