@@ -766,6 +766,17 @@ def test_chain_hands_params_to_every_part(method: str) -> None:
     assert torch.equal(out["w"], want)
 
 
+@pytest.mark.parametrize("donate", [False, True])
+def test_step_of_a_transform_without_a_step_fn_hands_params_to_its_update(donate: bool) -> None:
+    """A transform with no fused step (a user's) steps as ``update`` + ``apply_updates``, and
+    its update sees the params: ``p + (g + wd * p)`` for the decay-by-params transform."""
+    t = _decay_by_params(0.5)
+    assert t.step_fn is None
+    p, g = _td(w=torch.tensor([2.0, 4.0])), _td(w=torch.tensor([1.0, 1.0]))
+    out, _ = t.step(g, t.init(p), p, donate=donate)
+    assert torch.equal(out["w"], torch.tensor([4.0, 7.0]))
+
+
 def test_raw_chain_functions_are_pure_without_donate() -> None:
     """A chain's own ``update_fn``/``step_fn``, called without ``donate``, write no input:
     donation is opt-in at every level, not only through Transform.update/step."""
