@@ -777,6 +777,27 @@ def test_step_of_a_transform_without_a_step_fn_hands_params_to_its_update(donate
     assert torch.equal(out["w"], torch.tensor([4.0, 7.0]))
 
 
+@pytest.mark.parametrize("which", ["params", "grads"])
+def test_params_or_grads_in_a_tensordict_params_step_as_a_plain_tensordict(which: str) -> None:
+    """A ``TensorDictParams`` (tensordict.nn's container of a module's parameters) as params or
+    as grads steps and updates exactly as the same tree in a plain TensorDict."""
+    from tensordict.nn import TensorDictParams
+
+    opt = optim.sgd(lr=0.5, momentum=0.9)
+    p = TensorDict({"w": torch.tensor([1.0, -2.0]), "b": {"c": torch.ones(3)}}, [])
+    g = TensorDict({"w": torch.tensor([0.5, 0.25]), "b": {"c": torch.full((3,), 2.0)}}, [])
+    want_p, want_s = opt.step(g, opt.init(p), p)
+    want_u, _ = opt.update(g, opt.init(p), p)
+    pp = TensorDictParams(p.clone()) if which == "params" else p
+    gg = TensorDictParams(g.clone()) if which == "grads" else g
+    got_p, got_s = opt.step(gg, opt.init(pp), pp)
+    got_u, _ = opt.update(gg, opt.init(pp), pp)
+    for got, want in ((got_p, want_p), (got_s, want_s), (got_u, want_u)):
+        assert tree.paths(got) == tree.paths(want)
+        for a, b in zip(tree.leaves(got), tree.leaves(want), strict=True):
+            assert torch.equal(a.detach(), b)
+
+
 def test_raw_chain_functions_are_pure_without_donate() -> None:
     """A chain's own ``update_fn``/``step_fn``, called without ``donate``, write no input:
     donation is opt-in at every level, not only through Transform.update/step."""
