@@ -977,6 +977,28 @@ def test_grads_with_missing_or_extra_keys_name_them(name: str, method: str) -> N
         getattr(opt, method)(g, opt.init(p), p)
 
 
+@pytest.mark.parametrize("method", ["step", "update"])
+def test_unknown_grad_keys_are_refused_with_the_whole_message(method: str) -> None:
+    """Grads with keys the params lack are refused naming every missing param path (sorted)
+    and every unexpected grad path, each list comma-separated; without missing params only
+    the unexpected ones are named."""
+    opt = optim.sgd(lr=0.1)
+    one = torch.ones(2)
+    p = TensorDict({"a": one, "b": {"c": one, "d": one}, "e": one}, [])
+    cases = [
+        (
+            TensorDict({"b": {"x": one}, "y": one, "e": one}, []),
+            "missing a, b.c, b.d; unexpected b.x, y",
+        ),
+        (TensorDict({"a": one, "z": one, "w": one}, []), "missing b.c, b.d, e; unexpected z, w"),
+        (TensorDict({"a": one, "b": {"c": one, "d": one}, "e": one, "z": one}, []), "unexpected z"),
+    ]
+    for g, text in cases:
+        whole = re.escape("grads keys differ from params: " + text)
+        with pytest.raises(ValueError, match=f"^{whole}$"):
+            getattr(opt, method)(g, opt.init(p), p)
+
+
 @pytest.mark.parametrize("name", sorted(ROWS))
 def test_update_without_params_checks_grads_and_equals_update_with_params(name: str) -> None:
     """Without weight decay, update(grads, state) names a mismatching key path, and on good
