@@ -999,6 +999,20 @@ def test_unknown_grad_keys_are_refused_with_the_whole_message(method: str) -> No
             getattr(opt, method)(g, opt.init(p), p)
 
 
+@pytest.mark.parametrize("method", ["step", "update"])
+def test_grads_for_a_subset_with_a_wrong_shape_are_refused_with_the_whole_message(
+    method: str,
+) -> None:
+    """Grads for some of the params only, one of them of another shape than its param, are
+    refused naming that grad's path and both shapes."""
+    opt = optim.sgd(lr=0.1)
+    p = TensorDict({"a": torch.ones(2), "b": {"c": torch.ones(3, 2)}, "e": torch.ones(4)}, [])
+    g = TensorDict({"b": {"c": torch.ones(2, 3)}, "e": torch.ones(4)}, [])
+    whole = re.escape("grads at b.c has shape (2, 3), but params has shape (3, 2)")
+    with pytest.raises(ValueError, match=f"^{whole}$"):
+        getattr(opt, method)(g, opt.init(p), p)
+
+
 @pytest.mark.parametrize("name", sorted(ROWS))
 def test_update_without_params_checks_grads_and_equals_update_with_params(name: str) -> None:
     """Without weight decay, update(grads, state) names a mismatching key path, and on good
