@@ -310,6 +310,21 @@ def test_optimizer_step_does_not_sync() -> None:
         opt.step(g_td, state, params, donate=True)
 
 
+def test_sgd_per_parameter_step_counts_stay_on_the_cpu_for_cuda_params() -> None:
+    """SGD with momentum and dampening keeps its per-parameter ``steps`` on the CPU for CUDA
+    params (its kernel reads them on the host to find each param's first update; there is no
+    fused step counter on the GPU), before and after a step."""
+    opt = optim.sgd(lr=1e-2, momentum=0.9, dampening=0.1)
+    init, grads = _params_and_grads(torch.float32, 1)
+    params = TensorDict({f"p{i}": t for i, t in enumerate(init)}, [])
+    state = opt.init(params)
+    assert {t.device.type for t in tree.leaves(state["steps"])} == {"cpu"}
+    g_td = TensorDict({f"p{i}": g for i, g in enumerate(grads[0])}, [])
+    params, state = opt.step(g_td, state, params, donate=True)
+    assert {t.device.type for t in tree.leaves(state["steps"])} == {"cpu"}
+    assert {t.device.type for t in tree.leaves(params)} == {DEV.type}
+
+
 # --------------------------------------------------------------------------- train_step
 
 

@@ -242,3 +242,57 @@ def test_scale_by_schedule_is_named_and_keeps_its_schedule() -> None:
     assert optim.chain(optim.clip_by_global_norm(1.0), t).name == (
         "chain(clip_by_global_norm, scale_by_schedule)"
     )
+
+
+def test_clip_state_lives_on_the_params_device_and_on_the_cpu_for_empty_params() -> None:
+    """init puts ``norm`` on the first leaf's device (here meta, as for deferred-init params),
+    and on the CPU for params without leaves, whatever the default device."""
+    clip = optim.clip_by_global_norm(1.0)
+    meta = TensorDict({"w": torch.empty(3, device="meta")}, [])
+    assert clip.init(meta)["norm"].device == torch.device("meta")
+    with torch.device("meta"):
+        state = clip.init(TensorDict({}, []))
+    assert state["norm"].device == torch.device("cpu")
+    assert float(state["norm"]) == 0.0
+
+
+@pytest.mark.parametrize("scale", [1e-7, 1e-6, 3e-6])
+def test_clip_coefficient_is_max_norm_over_norm_plus_eps_for_tiny_norms(scale: float) -> None:
+    """With norms near the 1e-6 epsilon, the scale is ``max_norm / (norm + 1e-6)`` (capped at 1),
+    as torch.nn.utils.clip_grad_norm_: the epsilon is added, never subtracted."""
+    gen = torch.Generator().manual_seed(3)
+    grads = randn_list([(4,), (2, 3)], gen, scale)
+    max_norm = scale / 2
+    ps = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
+    for p, g in zip(ps, grads, strict=True):
+        p.grad = g.clone()
+    torch.nn.utils.clip_grad_norm_(ps, max_norm)
+    clip = optim.clip_by_global_norm(max_norm)
+    g_td = as_tree([g.clone() for g in grads])
+    out, state = clip.update(g_td, clip.init(g_td))
+    norm = float(state["norm"])
+    for a, g, p in zip(tree.leaves(out), grads, ps, strict=True):  # relative: values ~1e-7
+        torch.testing.assert_close(a, p.grad, rtol=1e-5, atol=0.0)
+        torch.testing.assert_close(a, g * min(1.0, max_norm / (norm + 1e-6)), rtol=1e-5, atol=0.0)
+
+
+def test_clip_update_fn_called_directly_does_not_donate_and_checks_grads_against_params() -> None:
+    """The raw ``update_fn`` (what chain and purestep.compile call) defaults to
+    ``donate=False``: the caller's grads are untouched; and it refuses grads whose shape
+    differs from the params', naming the key and both shapes."""
+    clip = optim.clip_by_global_norm(1.0)
+    g = as_tree([torch.tensor([3.0, 4.0])])
+    before = g["head"].clone()
+    out, _ = clip.update_fn(g, clip.init(g), None)
+    assert torch.equal(g["head"], before)
+    assert out["head"] is not g["head"]
+    params = as_tree([torch.zeros(3)])
+    with pytest.raises(
+        ValueError, match=r"^grads at head has shape \(2,\), but params has shape \(3,\)$"
+    ):
+        clip.update_fn(g, clip.init(params), params)
+
+
+def test_clip_keeps_its_validated_hyperparameters() -> None:
+    """``hparams`` is the validated ClipHParams (read by purestep.compile and reprs)."""
+    assert optim.clip_by_global_norm(0.5).hparams == optim.ClipHParams(max_norm=0.5)

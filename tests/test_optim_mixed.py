@@ -252,3 +252,31 @@ def test_donate_updates_masters_and_moments_in_place_and_is_off_by_default(metho
     assert not torch.equal(s["master", "a"], before["master", "a"])
     for key in ("master", ("inner", "mu"), ("inner", "nu")):
         testing.assert_trees_equal(s[key], s2[key])
+
+
+def test_the_inner_transform_receives_grads_cast_to_the_master_dtype() -> None:
+    """Whatever the grads' dtype, ``inner`` gets them in ``master_dtype`` (as the docstring
+    says), so a stateless inner transform computes in the master precision: its masters equal
+    the same transform run on master-dtype copies of the params and the grads."""
+    seen: list[torch.dtype] = []
+
+    def record(
+        grads: TensorDictBase, state: TensorDictBase, params: Any, *, donate: bool = False
+    ) -> tuple[TensorDict, TensorDict]:
+        seen.extend(x.dtype for x in grads.values(True, True))
+        return optim.scale_by_schedule(-0.1).update_fn(grads, state, params, donate=donate)
+
+    inner = optim.Transform(init_fn=optim.scale_by_schedule(-0.1).init_fn, update_fn=record)
+    gen = torch.Generator().manual_seed(0)
+    p = TensorDict({"a": torch.randn(64, generator=gen).to(torch.bfloat16)}, [])
+    g = TensorDict({"a": torch.randn(64, generator=gen).to(torch.bfloat16)}, [])
+    for method in ("step", "update"):
+        t = optim.mixed_precision(inner)
+        s = t.init(p)
+        _, s2 = getattr(t, method)(g, s, p)
+        assert seen == [torch.float32], method
+        seen.clear()
+        master = TensorDict({"a": p["a"].float()}, [])
+        want, _ = inner.step(TensorDict({"a": g["a"].float()}, []), inner.init(master), master)
+        seen.clear()
+        testing.assert_trees_equal(s2["master"], want)

@@ -451,6 +451,20 @@ def test_lion_with_zero_grads_is_the_decoupled_decay_alone(
     assert torch.equal(new["w"], p.mul(1 - lr * weight_decay))
 
 
+@pytest.mark.parametrize("name", sorted(TORCH_ROWS))
+def test_a_transform_built_without_arguments_uses_torchs_defaults(name: str) -> None:
+    """Called with no arguments, the factory's hyperparameters are the torch counterpart's
+    defaults (the values the function really uses, not only those its signature shows)."""
+    row = ROWS[name]
+    hp = row.make().hparams
+    for cls in row.defaults_of:
+        theirs = {k: p.default for k, p in inspect.signature(cls.__init__).parameters.items()}
+        shared = [k for k in theirs if hasattr(hp, k) and theirs[k] is not None]
+        assert "lr" in shared, cls
+        for k in shared:
+            assert getattr(hp, k) == theirs[k], (k, getattr(hp, k), theirs[k])
+
+
 # Hyperparameter validation at the exact boundaries ----------------------------------
 
 _TINY = 5e-324  # the smallest positive float
@@ -817,6 +831,38 @@ def test_chain_hands_params_to_every_part(method: str) -> None:
     assert torch.equal(out["w"], want)
 
 
+@pytest.mark.parametrize("donate", [False, True])
+def test_step_of_a_transform_without_a_step_fn_hands_params_to_its_update(donate: bool) -> None:
+    """A transform with no fused step (a user's) steps as ``update`` + ``apply_updates``, and
+    its update sees the params: ``p + (g + wd * p)`` for the decay-by-params transform."""
+    t = _decay_by_params(0.5)
+    assert t.step_fn is None
+    p, g = _td(w=torch.tensor([2.0, 4.0])), _td(w=torch.tensor([1.0, 1.0]))
+    out, _ = t.step(g, t.init(p), p, donate=donate)
+    assert torch.equal(out["w"], torch.tensor([4.0, 7.0]))
+
+
+@pytest.mark.parametrize("which", ["params", "grads"])
+def test_params_or_grads_in_a_tensordict_params_step_as_a_plain_tensordict(which: str) -> None:
+    """A ``TensorDictParams`` (tensordict.nn's container of a module's parameters) as params or
+    as grads steps and updates exactly as the same tree in a plain TensorDict."""
+    from tensordict.nn import TensorDictParams
+
+    opt = optim.sgd(lr=0.5, momentum=0.9)
+    p = TensorDict({"w": torch.tensor([1.0, -2.0]), "b": {"c": torch.ones(3)}}, [])
+    g = TensorDict({"w": torch.tensor([0.5, 0.25]), "b": {"c": torch.full((3,), 2.0)}}, [])
+    want_p, want_s = opt.step(g, opt.init(p), p)
+    want_u, _ = opt.update(g, opt.init(p), p)
+    pp = TensorDictParams(p.clone()) if which == "params" else p
+    gg = TensorDictParams(g.clone()) if which == "grads" else g
+    got_p, got_s = opt.step(gg, opt.init(pp), pp)
+    got_u, _ = opt.update(gg, opt.init(pp), pp)
+    for got, want in ((got_p, want_p), (got_s, want_s), (got_u, want_u)):
+        assert tree.paths(got) == tree.paths(want)
+        for a, b in zip(tree.leaves(got), tree.leaves(want), strict=True):
+            assert torch.equal(a.detach(), b)
+
+
 def test_raw_chain_functions_are_pure_without_donate() -> None:
     """A chain's own ``update_fn``/``step_fn``, called without ``donate``, write no input:
     donation is opt-in at every level, not only through Transform.update/step."""
@@ -983,6 +1029,21 @@ def test_state_dtypes_and_devices_do_not_follow_the_default_dtype_or_device(name
     assert_trees_equal(in_fp64, ref)
 
 
+def test_donated_step_with_grads_for_a_subset_updates_params_in_their_own_buffers(
+    name: str,
+) -> None:
+    """With grads for some of the params only, donate=True still updates the stepped params in
+    their own buffers (no new param memory), and returns the others as they are."""
+    opt = example(name)
+    init, gs = make_data([(3, 2), (4,), (2, 2)], 0, torch.float32, steps=1)
+    params = as_tree(init)
+    before = ptrs(params)
+    sub = tree.select(as_tree(gs[0]), [gs[0][0], None, gs[0][2]])
+    new_p, _ = opt.step(sub, opt.init(params), params, donate=True)
+    assert ptrs(new_p) == before
+    assert tree.leaves(new_p)[1] is init[1]
+
+
 @pytest.mark.parametrize("name", ALL)
 @pytest.mark.parametrize("donate", [False, True])
 def test_empty_tree_is_a_no_op(name: str, donate: bool) -> None:
@@ -1018,6 +1079,42 @@ def test_grads_with_missing_or_extra_keys_name_them(name: str, method: str) -> N
     p = error_params()
     g = TensorDict({"enc": {"fc": {"bias": torch.ones(3)}}, "head": torch.ones(4)}, [])
     with pytest.raises(ValueError, match=r"missing enc\.fc\.weight.*unexpected enc\.fc\.bias"):
+        getattr(opt, method)(g, opt.init(p), p)
+
+
+@pytest.mark.parametrize("method", ["step", "update"])
+def test_unknown_grad_keys_are_refused_with_the_whole_message(method: str) -> None:
+    """Grads with keys the params lack are refused naming every missing param path (sorted)
+    and every unexpected grad path, each list comma-separated; without missing params only
+    the unexpected ones are named."""
+    opt = optim.sgd(lr=0.1)
+    one = torch.ones(2)
+    p = TensorDict({"a": one, "b": {"c": one, "d": one}, "e": one}, [])
+    cases = [
+        (
+            TensorDict({"b": {"x": one}, "y": one, "e": one}, []),
+            "missing a, b.c, b.d; unexpected b.x, y",
+        ),
+        (TensorDict({"a": one, "z": one, "w": one}, []), "missing b.c, b.d, e; unexpected z, w"),
+        (TensorDict({"a": one, "b": {"c": one, "d": one}, "e": one, "z": one}, []), "unexpected z"),
+    ]
+    for g, text in cases:
+        whole = re.escape("grads keys differ from params: " + text)
+        with pytest.raises(ValueError, match=f"^{whole}$"):
+            getattr(opt, method)(g, opt.init(p), p)
+
+
+@pytest.mark.parametrize("method", ["step", "update"])
+def test_grads_for_a_subset_with_a_wrong_shape_are_refused_with_the_whole_message(
+    method: str,
+) -> None:
+    """Grads for some of the params only, one of them of another shape than its param, are
+    refused naming that grad's path and both shapes."""
+    opt = optim.sgd(lr=0.1)
+    p = TensorDict({"a": torch.ones(2), "b": {"c": torch.ones(3, 2)}, "e": torch.ones(4)}, [])
+    g = TensorDict({"b": {"c": torch.ones(2, 3)}, "e": torch.ones(4)}, [])
+    whole = re.escape("grads at b.c has shape (2, 3), but params has shape (3, 2)")
+    with pytest.raises(ValueError, match=f"^{whole}$"):
         getattr(opt, method)(g, opt.init(p), p)
 
 
@@ -1100,3 +1197,67 @@ def test_counters_and_lr_are_cpu_scalars_even_under_a_meta_default_device(name: 
     for key, value in leaves.items():
         # Scalars (count, lr, per-param step counts) on the CPU, moments like the params.
         assert value.device.type == ("cpu" if value.dim() == 0 else "meta"), (key, value.device)
+
+
+@pytest.mark.parametrize("name", sorted(ROWS))
+@pytest.mark.parametrize(
+    ("p_dtype", "g_dtype"),
+    [
+        (torch.float32, torch.float64),
+        (torch.bfloat16, torch.float32),
+        (torch.float32, torch.float16),
+    ],
+)
+@pytest.mark.parametrize("donate", [False, True])
+def test_grads_of_another_dtype_are_cast_to_each_params_dtype(
+    name: str, p_dtype: torch.dtype, g_dtype: torch.dtype, donate: bool
+) -> None:
+    """Grads in another floating dtype than their params (float64 grads, fp32 grads of bf16
+    params: the fused fp32 and the foreach bf16 paths) step exactly as the grads cast to the
+    params' dtype first, as torch.optim does with a .grad of another dtype."""
+    row = ROWS[name]
+    opt = row.make(**row.example)
+    gen = torch.Generator().manual_seed(5)
+    shapes = [(6, 3), (4,)]
+    p0 = [torch.randn(s, generator=gen).to(p_dtype) for s in shapes]
+    grads = [[torch.randn(s, generator=gen).to(g_dtype) for s in shapes] for _ in range(3)]
+
+    def run(cast: bool) -> tuple[TensorDict, TensorDict]:
+        params = as_tree([t.clone() for t in p0])
+        state = opt.init(params)
+        for gs in grads:
+            g = as_tree([x.to(p_dtype) if cast else x.clone() for x in gs])
+            params, state = opt.step(g, state, params, donate=donate)
+        return params, state
+
+    got_p, got_s = run(cast=False)
+    want_p, want_s = run(cast=True)
+    assert_trees_equal(got_p, want_p)
+    assert_trees_equal(got_s, want_s)
+
+
+@pytest.mark.parametrize("name", sorted(ROWS))
+@pytest.mark.parametrize("donate", [False, True])
+def test_params_of_several_dtypes_step_each_as_its_own_tree(name: str, donate: bool) -> None:
+    """A tree mixing float32, float64 and bfloat16 params (three kernel groups: fused and
+    foreach) updates every param exactly as a tree holding that param alone does."""
+    row = ROWS[name]
+    opt = row.make(**row.example)
+    gen = torch.Generator().manual_seed(11)
+    dtypes = [torch.float32, torch.float64, torch.bfloat16, torch.float32]
+    p0 = [torch.randn(5, 3, generator=gen).to(dt) for dt in dtypes]
+    grads = [[torch.randn(5, 3, generator=gen).to(dt) for dt in dtypes] for _ in range(3)]
+
+    names = [tuple(n.split(".")) for n in paths(len(dtypes))]  # each param keeps its path
+
+    def run(idx: list[int]) -> list[Tensor]:
+        params = tree.unflatten([(names[i], p0[i].clone()) for i in idx])
+        state = opt.init(params)
+        for gs in grads:
+            g = tree.unflatten([(names[i], gs[i].clone()) for i in idx])
+            params, state = opt.step(g, state, params, donate=donate)
+        return tree.leaves(params)
+
+    together = run(list(range(len(dtypes))))
+    for i in range(len(dtypes)):
+        assert torch.equal(together[i], run([i])[0]), f"param {i} ({dtypes[i]})"
