@@ -1041,7 +1041,9 @@ def test_check_lr_fits_refuses_a_rate_past_the_dtype_max_with_the_whole_message(
     past = math.nextafter(top, math.inf)
     ints = torch.zeros(2, dtype=torch.int64)
     _kernels.check_lr_fits(top, [ints, torch.zeros(2, dtype=dtype)], 4, "sgd")
-    _kernels.check_lr_fits(float(torch.finfo(torch.float16).max), [torch.zeros(1, dtype=dtype)], 4, "sgd")
+    _kernels.check_lr_fits(
+        float(torch.finfo(torch.float16).max), [torch.zeros(1, dtype=dtype)], 4, "sgd"
+    )
     with pytest.raises(errors.ScheduleError) as info:
         _kernels.check_lr_fits(past, [ints, torch.zeros(1, dtype=dtype)], 4, "sgd")
     assert str(info.value) == (
