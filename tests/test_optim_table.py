@@ -1153,6 +1153,18 @@ def test_foreach_mul_keeps_a_float64_factor_exact_and_a_bf16_factor_unrounded() 
     assert torch.equal(y, want)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64], ids=str)
+def test_foreach_mul_scales_cpu_tensors_under_a_meta_default_device(dtype: torch.dtype) -> None:
+    """A float factor is applied to CPU tensors also inside ``with torch.device("meta")``
+    (or any other default device): the 0-dim factor is made on the tensors' device, not
+    the default one (a meta factor left them unscaled)."""
+    x = torch.tensor([3.0, -1.5, 7.0], dtype=dtype)
+    want = x.clone().mul_(0.99756)
+    with torch.device("meta"):
+        _kernels.foreach_mul_([x], 0.99756)
+    assert torch.equal(x, want)
+
+
 @st.composite
 def _numels(draw: st.DrawFn) -> tuple[list[torch.Tensor], int]:
     budget = draw(st.integers(1, 12))
@@ -1285,3 +1297,31 @@ def test_match_layout_gives_each_gradient_its_params_strides_copying_only_when_n
             assert _real_strides(o) == want, (p.stride(), g.stride(), o.stride())
     if all(g.stride() == p.stride() for p, g in zip(params, grads, strict=True)):
         assert out is grads
+
+
+@pytest.mark.parametrize("name", sorted(ROWS))
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=str)
+def test_pure_step_of_sliced_params_keeps_dtype_device_and_strides_under_any_default_device(
+    name: str, dtype: torch.dtype
+) -> None:
+    """The pure step copies a sliced (not dense) param with its strides, dtype and device,
+    whatever the default device (here meta) and dtype: its result equals the donated step's
+    bitwise, in the param's dtype, on the param's device, with the param's strides."""
+    row = ROWS[name]
+    big = torch.randn(4, 9, generator=torch.Generator().manual_seed(5)).to(dtype)
+    grad = torch.randn(4, 6, generator=torch.Generator().manual_seed(6)).to(dtype)
+
+    def params() -> TensorDict:
+        return TensorDict({"w": big.clone()[:, 2:8]}, [])
+
+    opt = row.make(**row.example)
+    donated, _ = opt.step(
+        TensorDict({"w": grad.clone()}, []), opt.init(params()), params(), donate=True
+    )
+    p = params()
+    state = opt.init(p)
+    with torch.device("meta"):
+        pure, _ = opt.step(TensorDict({"w": grad.clone()}, []), state, p)
+    w = pure["w"]
+    assert w.dtype == dtype and w.device.type == "cpu" and w.stride() == p["w"].stride()
+    assert torch.equal(w, donated["w"])
