@@ -1325,3 +1325,47 @@ def test_pure_step_of_sliced_params_keeps_dtype_device_and_strides_under_any_def
     w = pure["w"]
     assert w.dtype == dtype and w.device.type == "cpu" and w.stride() == p["w"].stride()
     assert torch.equal(w, donated["w"])
+
+
+@pytest.mark.parametrize("name", sorted(ROWS))
+def test_non_floating_params_are_refused_at_init_with_the_whole_message(name: str) -> None:
+    """The message names the optimizer, the path of the first non-floating leaf and its dtype."""
+    opt = ROWS[name].make()
+    p = TensorDict({"a": {"w": torch.zeros(2), "steps": torch.zeros(2, dtype=torch.int32)}}, [])
+    with pytest.raises(TypeError) as info:
+        opt.init(p)
+    assert str(info.value) == (
+        f"{opt.name}: params at a.steps has dtype torch.int32; "
+        "only floating-point params are supported"
+    )
+
+
+def _add_kernel(
+    p: list[Tensor],
+    g: list[Tensor],
+    moments: list[list[Tensor]],
+    lr: float,
+    steps: list[Tensor] | None,
+    count: int,
+) -> None:
+    torch._foreach_add_(p, g, alpha=-lr)
+
+
+def test_kernel_transform_defaults_keep_no_step_counts_and_need_no_params_for_update() -> None:
+    """By default a kernel transform keeps no per-parameter ``steps`` (only ``count``, ``lr``
+    and its moments), its kernel is handed ``steps=None``, and ``update`` works without
+    params (no weight decay), giving ``-lr * g``."""
+    seen: list[object] = []
+
+    def kernel(p, g, moments, lr, steps, count):  # type: ignore[no-untyped-def]
+        seen.append(steps)
+        _add_kernel(p, g, moments, lr, steps, count)
+
+    t = _kernels.kernel_transform(name="plain", hparams=None, lr=0.5, moments=("m",), kernel=kernel)
+    params = TensorDict({"w": torch.ones(3)}, [])
+    state = t.init(params)
+    assert sorted(state.keys()) == ["count", "lr", "m"]
+    grads = TensorDict({"w": torch.full((3,), 2.0)}, [])
+    upd, new_state = t.update(grads, state)
+    assert torch.equal(upd["w"], torch.full((3,), -1.0))
+    assert sorted(new_state.keys()) == ["count", "lr", "m"] and seen == [None]
