@@ -1369,3 +1369,32 @@ def test_kernel_transform_defaults_keep_no_step_counts_and_need_no_params_for_up
     upd, new_state = t.update(grads, state)
     assert torch.equal(upd["w"], torch.full((3,), -1.0))
     assert sorted(new_state.keys()) == ["count", "lr", "m"] and seen == [None]
+
+
+@pytest.mark.parametrize("name", [n for n in sorted(ROWS) if n != "muon"])
+def test_init_refuses_the_first_lr_with_the_whole_message_when_it_went_bad_after_construction(
+    name: str,
+) -> None:
+    """``init`` evaluates the learning rate of update 0 again (a user callable may read
+    state that changed since construction): a negative one, or one that overflows the
+    params' dtype, is refused there, naming the optimizer and update 0. (muon's own init
+    checks only the sign; its first update checks the overflow.)"""
+    value = [0.1]
+    opt = ROWS[name].make(lr=lambda n: value[0])
+    params = TensorDict({"w": torch.ones(2, dtype=torch.float16)}, [])
+    value[0] = -1.0
+    with pytest.raises(errors.ScheduleError) as info:
+        opt.init(params)
+    assert str(info.value) == (
+        f"{opt.name}: the learning rate at update 0 is -1.0; it must be finite and >= 0 "
+        "(check the schedule)"
+    )
+    value[0] = 1e6
+    with pytest.raises(errors.ScheduleError) as info:
+        opt.init(params)
+    assert str(info.value) == (
+        f"{opt.name}: the learning rate at update 0 is 1000000.0, which overflows "
+        "torch.float16 (the params' dtype, largest value 65504.0); the update would make "
+        "the params inf or NaN"
+    )
+    assert info.value.count == 0
