@@ -1398,3 +1398,27 @@ def test_init_refuses_the_first_lr_with_the_whole_message_when_it_went_bad_after
         "the params inf or NaN"
     )
     assert info.value.count == 0
+
+
+@pytest.mark.parametrize("name", sorted(ROWS))
+def test_step_counts_are_float32_whatever_the_default_dtype(name: str) -> None:
+    """Per-parameter step counts (where an optimizer keeps them) are float32 0-dim tensors,
+    as torch.optim's fused kernels take them, also under a float64 default dtype; and a
+    step with them equals the step made under the float32 default, bitwise."""
+    row = ROWS[name]
+    params = TensorDict({"w": torch.ones(3, 2), "b": torch.ones(2, dtype=torch.float64)}, [])
+    grads = params.apply(lambda t: torch.full_like(t, 0.5))
+    opt = row.make(**row.example)
+    want = opt.step(grads, opt.init(params), params)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        state = opt.init(params)
+    finally:
+        torch.set_default_dtype(old)
+    if "steps" in state.keys():
+        for s in tree.leaves(state["steps"]):
+            assert s.dtype == torch.float32 and s.shape == ()
+    got = opt.step(grads, state, params)
+    assert_trees_equal(got[0], want[0])
+    assert_trees_equal(got[1], want[1])
