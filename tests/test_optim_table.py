@@ -1422,3 +1422,21 @@ def test_step_counts_are_float32_whatever_the_default_dtype(name: str) -> None:
     got = opt.step(grads, state, params)
     assert_trees_equal(got[0], want[0])
     assert_trees_equal(got[1], want[1])
+
+
+@pytest.mark.parametrize("name", sorted(ROWS))
+def test_donated_step_updates_moments_and_step_counts_in_their_own_buffers(name: str) -> None:
+    """With donate=True every per-parameter state leaf (moments, step counts) of the
+    returned state is the input state's buffer, advanced in place, step after step."""
+    row = ROWS[name]
+    opt = row.make(**row.example)
+    init, gs = make_data([(3, 2), (4,)], 0, torch.float32, steps=2)
+    params = as_tree(init)
+    state = opt.init(params)
+    per_param = [k for k in state.keys() if k not in ("count", "lr")]
+    before = {k: [t.data_ptr() for t in tree.leaves(state[k])] for k in per_param}
+    for g in gs:
+        params, state = opt.step(as_tree(g), state, params, donate=True)
+        assert {k: [t.data_ptr() for t in tree.leaves(state[k])] for k in per_param} == before
+    if "steps" in per_param:
+        assert [float(s) for s in tree.leaves(state["steps"])] == [2.0, 2.0]
