@@ -1440,3 +1440,18 @@ def test_donated_step_updates_moments_and_step_counts_in_their_own_buffers(name:
         assert {k: [t.data_ptr() for t in tree.leaves(state[k])] for k in per_param} == before
     if "steps" in per_param:
         assert [float(s) for s in tree.leaves(state["steps"])] == [2.0, 2.0]
+
+
+@settings(max_examples=20, deadline=None)
+@given(data=st.data(), total=st.integers(0, 6))
+def test_pick_selects_the_indexed_items_in_order_and_the_list_itself_for_all(
+    data: st.DataObject, total: int
+) -> None:
+    """``pick`` gives exactly ``items[i]`` for each index (the same tensors, in order), and
+    ``items`` itself when the indices are all ``total`` of them (one group of one device and
+    dtype: no new list)."""
+    items = [torch.full((1,), float(i)) for i in range(total)]
+    idx = sorted(data.draw(st.sets(st.integers(0, max(total - 1, 0)), max_size=total)))
+    out = _kernels.pick(items, idx, total)
+    assert len(out) == len(idx) and all(o is items[i] for o, i in zip(out, idx, strict=True))
+    assert _kernels.pick(items, list(range(total)), total) is items
