@@ -188,6 +188,44 @@ def test_dtensor_leaves_match_plain_tensors(world1: Any, donate: bool) -> None:
         torch.testing.assert_close(upd["w"].full_tensor(), ref_u["w"])
 
 
+@pytest.mark.parametrize("name", ["adamw", "sgd", "lion"])
+def test_dtensor_params_with_a_strided_local_shard_step_like_the_plain_shard(
+    world1: Any, name: str
+) -> None:
+    """A DTensor param whose local shard is a sliced view (not dense) goes through the pure
+    step, the donated step and update like that shard as a plain tensor: the pure path
+    copies it as a DTensor (a plain strided copy of a DTensor cannot be made)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    gen = torch.Generator().manual_seed(3)
+    local = torch.randn(4, 7, generator=gen)[:, 1:5]
+    before = local.clone()
+    grad = torch.randn(4, 4, generator=gen)
+    make = {
+        "adamw": lambda: optim.adamw(lr=0.1, weight_decay=0.1),
+        "sgd": lambda: optim.sgd(lr=0.1, momentum=0.9),
+        "lion": lambda: optim.lion(lr=0.1),
+    }[name]
+
+    def dt(x: torch.Tensor) -> torch.Tensor:
+        return DTensor.from_local(x, world1, [Shard(0)], run_check=False)
+
+    opt = make()
+    ref_p = TensorDict({"w": local.clone()}, [])
+    want, _ = opt.step(TensorDict({"w": grad.clone()}, []), opt.init(ref_p), ref_p)
+    want_u, _ = opt.update(TensorDict({"w": grad.clone()}, []), opt.init(ref_p), ref_p)
+    for donate in (False, True):
+        params = TensorDict({"w": dt(local.clone() if donate else local)}, [])
+        grads = TensorDict({"w": dt(grad.clone())}, [])
+        new_p, _ = opt.step(grads, opt.init(params), params, donate=donate)
+        assert isinstance(new_p["w"], DTensor)
+        torch.testing.assert_close(new_p["w"].full_tensor(), want["w"], rtol=0, atol=0)
+    assert torch.equal(local, before)  # the pure step left it alone
+    params = TensorDict({"w": dt(local)}, [])
+    upd, _ = opt.update(TensorDict({"w": dt(grad.clone())}, []), opt.init(params), params)
+    torch.testing.assert_close(upd["w"].full_tensor(), want_u["w"], rtol=0, atol=0)
+
+
 def test_clip_init_state_is_a_float32_zero_norm_and_update_does_not_donate_by_default() -> None:
     """init gives a float32 scalar norm of 0 on the params' device whatever the default
     dtype; update without donate leaves the caller's grads untouched."""

@@ -1261,3 +1261,469 @@ def test_params_of_several_dtypes_step_each_as_its_own_tree(name: str, donate: b
     together = run(list(range(len(dtypes))))
     for i in range(len(dtypes)):
         assert torch.equal(together[i], run([i])[0]), f"param {i} ({dtypes[i]})"
+
+
+# Kernel plumbing (optim._kernels) ----------------------------------------------------------
+
+
+def test_checked_lr_refuses_a_bad_rate_with_the_whole_message_and_its_count() -> None:
+    """A negative, NaN or infinite rate, and a schedule that raises, are refused with a
+    message naming the optimizer, the update and the value, and carry that count."""
+    for lr, shown in [(-0.25, "-0.25"), (math.nan, "nan"), (math.inf, "inf")]:
+        with pytest.raises(errors.ScheduleError) as info:
+            _kernels.checked_lr(lambda n, lr=lr: lr if n == 3 else 0.1, 3, "adamw")
+        assert str(info.value) == (
+            f"adamw: the learning rate at update 3 is {shown}; it must be finite and >= 0 "
+            "(check the schedule)"
+        )
+        assert info.value.count == 3
+
+    def broken(n: int) -> float:
+        raise ValueError(f"no value at {n}")
+
+    with pytest.raises(errors.ScheduleError) as info:
+        _kernels.checked_lr(broken, 7, "lion")
+    assert str(info.value) == "lion: the learning-rate schedule failed at update 7: no value at 7"
+    assert info.value.count == 7
+    assert isinstance(info.value.__cause__, ValueError)
+
+
+@settings(max_examples=20, deadline=None)
+@given(rate=st.floats(0.0, 1e300), count=st.integers(0, 10**6))
+def test_checked_lr_accepts_every_finite_non_negative_rate_at_its_count(
+    rate: float, count: int
+) -> None:
+    """Every finite rate >= 0 (0 and rates above 1 included) is returned as the schedule
+    gives it at ``count``, and a constant as it is."""
+    assert _kernels.checked_lr(rate, count, "sgd") == rate
+    assert _kernels.checked_lr(lambda n: rate if n == count else -1.0, count, "sgd") == rate
+    assert _kernels.checked_lr(0.0, count, "sgd") == 0.0
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64], ids=str
+)
+def test_check_lr_fits_refuses_a_rate_past_the_dtype_max_with_the_whole_message(
+    dtype: torch.dtype,
+) -> None:
+    """A rate just above a param dtype's largest value is refused, naming the optimizer,
+    the update, the rate and the dtype with its largest value; exactly the largest value
+    (and float16's, for every dtype) is accepted. Integer params never count."""
+    top = float(torch.finfo(dtype).max)
+    past = math.nextafter(top, math.inf)
+    ints = torch.zeros(2, dtype=torch.int64)
+    _kernels.check_lr_fits(top, [ints, torch.zeros(2, dtype=dtype)], 4, "sgd")
+    _kernels.check_lr_fits(
+        float(torch.finfo(torch.float16).max), [torch.zeros(1, dtype=dtype)], 4, "sgd"
+    )
+    with pytest.raises(errors.ScheduleError) as info:
+        _kernels.check_lr_fits(past, [ints, torch.zeros(1, dtype=dtype)], 4, "sgd")
+    assert str(info.value) == (
+        f"sgd: the learning rate at update 4 is {past!r}, which overflows {dtype} (the params' "
+        f"dtype, largest value {top!r}); the update would make the params inf or NaN"
+    )
+    assert info.value.count == 4
+
+
+def test_check_lr_fits_looks_at_no_dtype_up_to_float16_max() -> None:
+    """Up to float16's largest value the check is free: it does not look at the params,
+    not even float8 ones whose largest value is smaller (a documented approximation)."""
+    f8 = torch.zeros(1, dtype=torch.float8_e4m3fn)
+    assert float(torch.finfo(f8.dtype).max) < float(torch.finfo(torch.float16).max)
+    _kernels.check_lr_fits(float(torch.finfo(torch.float16).max), [f8], 0, "sgd")
+
+
+@pytest.mark.parametrize("lr", [None, 0.25])
+def test_scalar_state_holds_count_and_lr_as_cpu_scalars_under_any_default_device(
+    lr: float | None,
+) -> None:
+    """``count`` int64 and ``lr`` float64 (only when given), 0-dim, on the CPU even under a
+    meta default device."""
+    with torch.device("meta"):
+        s = _kernels.scalar_state(5, lr)
+    assert sorted(s) == (["count"] if lr is None else ["count", "lr"])
+    assert s["count"].dtype == torch.int64 and s["count"].device.type == "cpu"
+    assert s["count"].shape == () and int(s["count"]) == 5
+    if lr is not None:
+        assert s["lr"].dtype == torch.float64 and s["lr"].device.type == "cpu"
+        assert s["lr"].shape == () and float(s["lr"]) == lr
+
+
+_FUSED_TABLE_DTYPES = [
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.float8_e4m3fn,
+    torch.complex64,
+    torch.int32,
+]
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda", "xpu", "hpu", "meta", "mps"])
+@pytest.mark.parametrize("dtype", _FUSED_TABLE_DTYPES, ids=str)
+def test_fused_supported_follows_the_documented_table(device: str, dtype: torch.dtype) -> None:
+    """Fused kernels on CPU, CUDA, XPU and HPU for fp16/bf16/fp32/fp64 only, Adam by
+    default; SGD also there except CPU fp16/bf16 (pytorch/pytorch#191763). Only the device
+    type matters (no device needs to exist)."""
+    listed = device in {"cpu", "cuda", "xpu", "hpu"} and dtype in {
+        torch.float16,
+        torch.bfloat16,
+        torch.float32,
+        torch.float64,
+    }
+    half_on_cpu = device == "cpu" and dtype in {torch.float16, torch.bfloat16}
+    dev = torch.device(device)
+    assert _kernels.fused_supported(dev, dtype) is listed
+    assert _kernels.fused_supported(dev, dtype, kernel="adam") is listed
+    assert _kernels.fused_supported(dev, dtype, kernel="sgd") is (listed and not half_on_cpu)
+
+
+@pytest.mark.parametrize("as_tensor", [False, True])
+@pytest.mark.parametrize(
+    "dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64], ids=str
+)
+@settings(max_examples=10, deadline=None)
+@given(
+    factor=st.one_of(st.sampled_from([1 - 1e-4, 1 - 1e-9, 0.0]), st.floats(-4.0, 4.0)),
+    sizes=st.lists(st.integers(0, 9), min_size=1, max_size=4),
+    seed=st.integers(0, 2**16),
+)
+def test_foreach_mul_equals_the_per_tensor_mul_bitwise_on_every_device(
+    as_tensor: bool,
+    dtype: torch.dtype,
+    factor: float,
+    sizes: list[int],
+    seed: int,
+) -> None:
+    """``foreach_mul_`` multiplies every tensor in place exactly as ``t.mul_(factor)`` does:
+    the factor is applied in the op's math type, not first rounded to the tensors' dtype
+    (CPU ``_foreach_mul_`` would round ``1 - 1e-4`` to bf16's 1.0), and a float64 factor
+    keeps its precision on float64 tensors. Tensors on several devices (here CPU and meta)
+    each get the factor, a tensor factor moved to their device."""
+    g = torch.Generator().manual_seed(seed)
+    cpu = [torch.randn(n, generator=g).to(dtype) for n in sizes]
+    meta = [torch.empty(n, dtype=dtype, device="meta") for n in sizes]
+    want = [t.clone().mul_(factor) for t in cpu]
+    mixed = [x for pair in zip(cpu, meta, strict=True) for x in pair]
+    f = torch.tensor(factor, dtype=torch.float64) if as_tensor else factor
+    _kernels.foreach_mul_(mixed, f)
+    for t, w in zip(cpu, want, strict=True):
+        assert t.dtype == dtype and torch.equal(t, w), (t, w)
+    _kernels.foreach_mul_([], f)  # nothing to do
+
+
+def test_foreach_mul_keeps_a_float64_factor_exact_and_a_bf16_factor_unrounded() -> None:
+    """The documented cases: ``1 - 1e-9`` scales float64 tensors (float32 would round it
+    to 1.0), and ``0.99756`` scales bf16 ones by itself, not by bf16(0.99756) = 0.99609."""
+    x = torch.full((3,), 1.5, dtype=torch.float64)
+    _kernels.foreach_mul_([x], 1 - 1e-9)
+    assert torch.equal(x, torch.full((3,), 1.5 * (1 - 1e-9), dtype=torch.float64))
+    y = torch.tensor([3.0, -1.5, 7.0], dtype=torch.bfloat16)
+    want = (y.float() * 0.99756).to(torch.bfloat16)  # one rounding, at the end
+    _kernels.foreach_mul_([y], 0.99756)
+    assert torch.equal(y, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64], ids=str)
+def test_foreach_mul_scales_cpu_tensors_under_a_meta_default_device(dtype: torch.dtype) -> None:
+    """A float factor is applied to CPU tensors also inside ``with torch.device("meta")``
+    (or any other default device): the 0-dim factor is made on the tensors' device, not
+    the default one (a meta factor left them unscaled)."""
+    x = torch.tensor([3.0, -1.5, 7.0], dtype=dtype)
+    want = x.clone().mul_(0.99756)
+    with torch.device("meta"):
+        _kernels.foreach_mul_([x], 0.99756)
+    assert torch.equal(x, want)
+
+
+@st.composite
+def _numels(draw: st.DrawFn) -> tuple[list[torch.Tensor], int]:
+    budget = draw(st.integers(1, 12))
+    sizes = draw(st.lists(st.integers(0, 2 * budget), max_size=8))
+    return [torch.empty(n) for n in sizes], budget
+
+
+@settings(max_examples=20, deadline=None)
+@given(case=_numels())
+def test_chunks_partition_the_list_greedily_within_the_budget(
+    case: tuple[list[torch.Tensor], int],
+) -> None:
+    """The slices cover the tensors in order, each once; no slice is empty; a slice holds at
+    most ``budget`` elements unless it is one tensor that alone exceeds it; and each slice is
+    as long as the budget allows (adding the next tensor would exceed it)."""
+    tensors, budget = case
+    out = _kernels.chunks(tensors, budget=budget)
+    covered = [i for sl in out for i in range(len(tensors))[sl]]
+    assert covered == list(range(len(tensors)))
+    sizes = [sum(t.numel() for t in tensors[sl]) for sl in out]
+    for k, sl in enumerate(out):
+        n = len(range(len(tensors))[sl])
+        assert n >= 1
+        assert sizes[k] <= budget or n == 1, (out, sizes)
+        if k + 1 < len(out):
+            assert sizes[k] + tensors[sl.stop].numel() > budget, (out, sizes)
+
+
+def test_chunks_slices_and_default_budget() -> None:
+    """The documented example's slices exactly, an empty list gives none, and without a
+    budget ``TEMP_CHUNK_ELEMENTS`` is read at call time."""
+    z = torch.zeros
+    assert _kernels.chunks([z(3), z(3), z(5)], budget=6) == [slice(0, 2), slice(2, 3)]
+    assert _kernels.chunks([z(6), z(6)], budget=6) == [slice(0, 1), slice(1, 2)]
+    assert _kernels.chunks([], budget=6) == []
+    assert _kernels.chunks([z(4), z(4)]) == [slice(0, 2)]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_kernels, "TEMP_CHUNK_ELEMENTS", 4)
+        assert _kernels.chunks([z(4), z(4)]) == [slice(0, 1), slice(1, 2)]
+
+
+def _dense_reference(t: torch.Tensor) -> bool:
+    """Whether the memory offsets of ``t``'s elements are ``numel`` distinct consecutive ones."""
+    if t.numel() == 0:
+        return True
+    offsets = torch.zeros((), dtype=torch.int64)
+    for dim, (n, s) in enumerate(zip(t.shape, t.stride(), strict=True)):
+        shape = [1] * t.dim()
+        shape[dim] = n
+        offsets = offsets + (torch.arange(n) * s).reshape(shape)
+    flat = offsets.expand(t.shape).reshape(-1).sort().values
+    return bool(torch.equal(flat - flat[0], torch.arange(t.numel())))
+
+
+@st.composite
+def _layouts(draw: st.DrawFn, overlaps: bool = True) -> torch.Tensor:
+    """A tensor with a drawn layout: permuted, sliced (gaps), expanded (overlaps, unless
+    ``overlaps=False``: params never overlap), size-1 dims with any stride."""
+    shape = draw(st.lists(st.integers(1, 4), min_size=1, max_size=4))
+    t = torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape)
+    t = t.permute(draw(st.permutations(range(len(shape)))))
+    hows = ["plain", "slice", "step", "strided1", *(["expand"] if overlaps else [])]
+    how = draw(st.sampled_from(hows))
+    dim = draw(st.integers(0, t.dim() - 1))
+    if how == "slice" and t.shape[dim] > 1:
+        t = t.narrow(dim, 0, t.shape[dim] - 1)
+    elif how == "step" and t.shape[dim] > 2:
+        t = t[(slice(None),) * dim + (slice(None, None, 2),)]
+    elif how == "expand":
+        t = t.unsqueeze(dim).expand(*t.shape[:dim], 3, *t.shape[dim:])
+    elif how == "strided1":
+        # A size-1 dim may have any stride without changing the layout.
+        t = t.unsqueeze(dim)
+        t = t.as_strided(t.shape, [*t.stride()[:dim], 7, *t.stride()[dim + 1 :]])
+    return t
+
+
+@settings(max_examples=20, deadline=None)
+@given(ts=st.lists(_layouts(), min_size=1, max_size=3))
+def test_is_dense_is_true_exactly_when_elements_fill_their_memory(ts: list[torch.Tensor]) -> None:
+    """``is_dense`` agrees with a direct count of the elements' memory offsets (any dim
+    order; gaps and overlaps are not dense), and ``all_dense`` with ``is_dense`` of each."""
+    for t in ts:
+        assert _kernels.is_dense(t) is _dense_reference(t), (t.shape, t.stride())
+    assert _kernels.all_dense(ts) is all(_dense_reference(t) for t in ts)
+
+
+def _real_strides(t: torch.Tensor) -> list[int]:
+    """The strides of the dims longer than 1 (a size-1 dim's stride does not move anything)."""
+    return [s for s, n in zip(t.stride(), t.shape, strict=True) if n != 1]
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    pairs=st.lists(
+        st.tuples(_layouts(overlaps=False), st.sampled_from(["same", "contiguous", "expanded"])),
+        min_size=1,
+        max_size=4,
+    ),
+    grad_dtype=st.sampled_from([torch.float32, torch.float64]),
+)
+def test_match_layout_gives_each_gradient_its_params_strides_copying_only_when_needed(
+    pairs: list[tuple[torch.Tensor, str]], grad_dtype: torch.dtype
+) -> None:
+    """Each result holds its gradient's values and dtype, laid out like its param where the
+    param is dense, contiguous where it is not; a gradient already laid out so is passed on
+    as it is (the list itself when every gradient has its param's strides), and the
+    gradients given are never written."""
+    params = [p for p, _ in pairs]
+    grads = []
+    for p, how in pairs:
+        values = torch.randn(p.shape, dtype=torch.float64).to(grad_dtype)
+        if how == "same":
+            g = torch.empty_strided(p.shape, p.stride(), dtype=grad_dtype).copy_(values)
+        elif how == "expanded" and p.numel():
+            g = values.flatten()[:1].reshape([1] * p.dim()).expand(p.shape)
+        else:
+            g = values
+        grads.append(g)
+    before = [g.clone() for g in grads]
+    out = _kernels.match_layout(params, grads)
+    assert len(out) == len(grads)
+    for p, g, b, o in zip(params, grads, before, out, strict=True):
+        assert torch.equal(g, b) and torch.equal(o, b) and o.dtype == grad_dtype
+        dense = _dense_reference(p)
+        want = _real_strides(p if dense else torch.empty(p.shape))
+        if g.stride() == p.stride() or (g.is_contiguous() and (p.is_contiguous() or not dense)):
+            assert o is g
+        else:
+            assert _real_strides(o) == want, (p.stride(), g.stride(), o.stride())
+    if all(g.stride() == p.stride() for p, g in zip(params, grads, strict=True)):
+        assert out is grads
+
+
+@pytest.mark.parametrize("name", sorted(ROWS))
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=str)
+def test_pure_step_of_sliced_params_keeps_dtype_device_and_strides_under_any_default_device(
+    name: str, dtype: torch.dtype
+) -> None:
+    """The pure step copies a sliced (not dense) param with its strides, dtype and device,
+    whatever the default device (here meta) and dtype: its result equals the donated step's
+    bitwise, in the param's dtype, on the param's device, with the param's strides."""
+    row = ROWS[name]
+    big = torch.randn(4, 9, generator=torch.Generator().manual_seed(5)).to(dtype)
+    grad = torch.randn(4, 6, generator=torch.Generator().manual_seed(6)).to(dtype)
+
+    def params() -> TensorDict:
+        return TensorDict({"w": big.clone()[:, 2:8]}, [])
+
+    opt = row.make(**row.example)
+    donated, _ = opt.step(
+        TensorDict({"w": grad.clone()}, []), opt.init(params()), params(), donate=True
+    )
+    p = params()
+    state = opt.init(p)
+    with torch.device("meta"):
+        pure, _ = opt.step(TensorDict({"w": grad.clone()}, []), state, p)
+    w = pure["w"]
+    assert w.dtype == dtype and w.device.type == "cpu" and w.stride() == p["w"].stride()
+    assert torch.equal(w, donated["w"])
+
+
+@pytest.mark.parametrize("name", sorted(ROWS))
+def test_non_floating_params_are_refused_at_init_with_the_whole_message(name: str) -> None:
+    """The message names the optimizer, the path of the first non-floating leaf and its dtype."""
+    opt = ROWS[name].make()
+    p = TensorDict({"a": {"w": torch.zeros(2), "steps": torch.zeros(2, dtype=torch.int32)}}, [])
+    with pytest.raises(TypeError) as info:
+        opt.init(p)
+    assert str(info.value) == (
+        f"{opt.name}: params at a.steps has dtype torch.int32; "
+        "only floating-point params are supported"
+    )
+
+
+def _add_kernel(
+    p: list[Tensor],
+    g: list[Tensor],
+    moments: list[list[Tensor]],
+    lr: float,
+    steps: list[Tensor] | None,
+    count: int,
+) -> None:
+    torch._foreach_add_(p, g, alpha=-lr)
+
+
+def test_kernel_transform_defaults_keep_no_step_counts_and_need_no_params_for_update() -> None:
+    """By default a kernel transform keeps no per-parameter ``steps`` (only ``count``, ``lr``
+    and its moments), its kernel is handed ``steps=None``, and ``update`` works without
+    params (no weight decay), giving ``-lr * g``."""
+    seen: list[object] = []
+
+    def kernel(p, g, moments, lr, steps, count):  # type: ignore[no-untyped-def]
+        seen.append(steps)
+        _add_kernel(p, g, moments, lr, steps, count)
+
+    t = _kernels.kernel_transform(name="plain", hparams=None, lr=0.5, moments=("m",), kernel=kernel)
+    params = TensorDict({"w": torch.ones(3)}, [])
+    state = t.init(params)
+    assert sorted(state.keys()) == ["count", "lr", "m"]
+    grads = TensorDict({"w": torch.full((3,), 2.0)}, [])
+    upd, new_state = t.update(grads, state)
+    assert torch.equal(upd["w"], torch.full((3,), -1.0))
+    assert sorted(new_state.keys()) == ["count", "lr", "m"] and seen == [None]
+
+
+@pytest.mark.parametrize("name", [n for n in sorted(ROWS) if n != "muon"])
+def test_init_refuses_the_first_lr_with_the_whole_message_when_it_went_bad_after_construction(
+    name: str,
+) -> None:
+    """``init`` evaluates the learning rate of update 0 again (a user callable may read
+    state that changed since construction): a negative one, or one that overflows the
+    params' dtype, is refused there, naming the optimizer and update 0. (muon's own init
+    checks only the sign; its first update checks the overflow.)"""
+    value = [0.1]
+    opt = ROWS[name].make(lr=lambda n: value[0])
+    params = TensorDict({"w": torch.ones(2, dtype=torch.float16)}, [])
+    value[0] = -1.0
+    with pytest.raises(errors.ScheduleError) as info:
+        opt.init(params)
+    assert str(info.value) == (
+        f"{opt.name}: the learning rate at update 0 is -1.0; it must be finite and >= 0 "
+        "(check the schedule)"
+    )
+    value[0] = 1e6
+    with pytest.raises(errors.ScheduleError) as info:
+        opt.init(params)
+    assert str(info.value) == (
+        f"{opt.name}: the learning rate at update 0 is 1000000.0, which overflows "
+        "torch.float16 (the params' dtype, largest value 65504.0); the update would make "
+        "the params inf or NaN"
+    )
+    assert info.value.count == 0
+
+
+@pytest.mark.parametrize("name", sorted(ROWS))
+def test_step_counts_are_float32_whatever_the_default_dtype(name: str) -> None:
+    """Per-parameter step counts (where an optimizer keeps them) are float32 0-dim tensors,
+    as torch.optim's fused kernels take them, also under a float64 default dtype; and a
+    step with them equals the step made under the float32 default, bitwise."""
+    row = ROWS[name]
+    params = TensorDict({"w": torch.ones(3, 2), "b": torch.ones(2, dtype=torch.float64)}, [])
+    grads = params.apply(lambda t: torch.full_like(t, 0.5))
+    opt = row.make(**row.example)
+    want = opt.step(grads, opt.init(params), params)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        state = opt.init(params)
+    finally:
+        torch.set_default_dtype(old)
+    if "steps" in state.keys():
+        for s in tree.leaves(state["steps"]):
+            assert s.dtype == torch.float32 and s.shape == ()
+    got = opt.step(grads, state, params)
+    assert_trees_equal(got[0], want[0])
+    assert_trees_equal(got[1], want[1])
+
+
+@pytest.mark.parametrize("name", sorted(ROWS))
+def test_donated_step_updates_moments_and_step_counts_in_their_own_buffers(name: str) -> None:
+    """With donate=True every per-parameter state leaf (moments, step counts) of the
+    returned state is the input state's buffer, advanced in place, step after step."""
+    row = ROWS[name]
+    opt = row.make(**row.example)
+    init, gs = make_data([(3, 2), (4,)], 0, torch.float32, steps=2)
+    params = as_tree(init)
+    state = opt.init(params)
+    per_param = [k for k in state.keys() if k not in ("count", "lr")]
+    before = {k: [t.data_ptr() for t in tree.leaves(state[k])] for k in per_param}
+    for g in gs:
+        params, state = opt.step(as_tree(g), state, params, donate=True)
+        assert {k: [t.data_ptr() for t in tree.leaves(state[k])] for k in per_param} == before
+    if "steps" in per_param:
+        assert [float(s) for s in tree.leaves(state["steps"])] == [2.0, 2.0]
+
+
+@settings(max_examples=20, deadline=None)
+@given(data=st.data(), total=st.integers(0, 6))
+def test_pick_selects_the_indexed_items_in_order_and_the_list_itself_for_all(
+    data: st.DataObject, total: int
+) -> None:
+    """``pick`` gives exactly ``items[i]`` for each index (the same tensors, in order), and
+    ``items`` itself when the indices are all ``total`` of them (one group of one device and
+    dtype: no new list)."""
+    items = [torch.full((1,), float(i)) for i in range(total)]
+    idx = sorted(data.draw(st.sets(st.integers(0, max(total - 1, 0)), max_size=total)))
+    out = _kernels.pick(items, idx, total)
+    assert len(out) == len(idx) and all(o is items[i] for o, i in zip(out, idx, strict=True))
+    assert _kernels.pick(items, list(range(total)), total) is items

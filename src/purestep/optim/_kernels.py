@@ -297,8 +297,8 @@ def foreach_mul_(tensors: list[torch.Tensor], factor: float | torch.Tensor) -> N
         f: float | torch.Tensor
         if isinstance(factor, torch.Tensor):
             f = factor.to(device)
-        elif device.type == "cpu":
-            f = torch.tensor(factor, dtype=torch.float64)
+        elif device.type == "cpu":  # on the CPU also under a ``with torch.device(...)`` default
+            f = torch.tensor(factor, dtype=torch.float64, device=device)
         else:
             f = factor
         _compat.foreach_mul_(ts, f)
