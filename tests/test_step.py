@@ -1619,3 +1619,78 @@ def test_with_index_puts_the_index_on_the_batchs_device() -> None:
     index = ps.step.with_index(batch)["index"]
     assert index.device.type == "meta" and index.dtype == torch.int64
     assert tuple(index.shape) == (3,)
+
+
+# --- value_and_grad: metric forms, losses, leaves (mutation survivors, sixth run) --------------
+
+
+def _scaled_sum_loss(
+    metrics: Any,
+) -> Callable[[TensorDictBase, TensorDictBase, torch.Tensor], Any]:
+    def loss_fn(p: TensorDictBase, b: TensorDictBase, key: torch.Tensor) -> Any:
+        return (p["m", "w"] * b["x"]).sum(), metrics
+
+    return loss_fn
+
+
+@pytest.mark.parametrize("form", ["none", "empty dict", "empty td", "dict", "td"])
+def test_every_metrics_form_gives_the_detached_values_plus_the_loss(form: str) -> None:
+    """loss_fn may return its metrics as None, {}, an empty TensorDict, a dict of numbers,
+    tensors and nested dicts, or a TensorDict: each gives a TensorDict of the same values,
+    detached, plus the scalar loss under "loss"."""
+    w = torch.tensor([1.0, -2.0])
+    x = torch.tensor([[3.0, 0.5], [1.0, 4.0]])
+    params = TensorDict({"m": {"w": w}}, [])
+    leaf = params["m", "w"].clone().requires_grad_(True).sum()
+    values: dict[str, Any] = {"acc": 0.5, "w_sum": leaf, "parts": {"a": torch.tensor(1.5)}}
+    metrics: Any = {
+        "none": None,
+        "empty dict": {},
+        "empty td": TensorDict({}, []),
+        "dict": values,
+        "td": TensorDict({**values, "acc": torch.tensor(0.5)}, []),
+    }[form]
+    _, got = ps.value_and_grad(_scaled_sum_loss(metrics))(
+        params, TensorDict({"x": x}, [2]), rng.key(0)
+    )
+    want = {"loss": (w * x).sum()}
+    if form in ("dict", "td"):
+        want |= {"acc": torch.tensor(0.5), "w_sum": w.sum(), "parts.a": torch.tensor(1.5)}
+    flat = got.flatten_keys(".")
+    assert sorted(flat.keys()) == sorted(want), list(flat.keys())
+    for k, v in want.items():
+        torch.testing.assert_close(flat[k], v, rtol=0, atol=0)
+        assert not flat[k].requires_grad, k
+
+
+@pytest.mark.parametrize(
+    ("returned", "message"),
+    [
+        (
+            lambda loss: (loss, [1.0]),
+            "loss_fn returned metrics of type list; expected a mapping or TensorDict of "
+            "scalars, or None",
+        ),
+        (
+            lambda loss: (loss, {}, {}),
+            "loss_fn must return (loss, metrics), got a tuple of 3; return `loss, {}` when "
+            "there are no metrics",
+        ),
+        (
+            lambda loss: [loss, {}],
+            "loss_fn must return (loss, metrics), got a list; return `loss, {}` when there are "
+            "no metrics",
+        ),
+    ],
+    ids=["metrics_list", "three_tuple", "list"],
+)
+def test_a_loss_fn_returning_the_wrong_shape_gets_the_whole_message(
+    returned: Callable[[torch.Tensor], Any], message: str
+) -> None:
+    """What loss_fn returned is named in the error: metrics of another type, a tuple of another
+    length (with that length) or another container, and the fix."""
+    params = TensorDict({"m": {"w": torch.ones(2)}}, [])
+    grad_fn = ps.value_and_grad(lambda p, b, k: returned((p["m", "w"] * 2.0).sum()))
+    with pytest.raises(TypeError) as info:
+        grad_fn(params, TensorDict({}, []), rng.key(0))
+    assert str(info.value) == message
