@@ -1681,16 +1681,28 @@ def test_every_metrics_form_gives_the_detached_values_plus_the_loss(form: str) -
             "loss_fn must return (loss, metrics), got a list; return `loss, {}` when there are "
             "no metrics",
         ),
+        (
+            lambda loss: ([loss], {}),
+            "loss_fn returned a loss of type list; expected a scalar tensor or a mapping "
+            "{role: scalar tensor}",
+        ),
+        (lambda loss: ({"m": 1.0}, {}), "loss for role 'm' must be a scalar tensor; got float"),
+        (
+            lambda loss: ({"m": torch.ones(2)}, {}),
+            "loss for role 'm' must be a scalar tensor; got (2,)",
+        ),
     ],
-    ids=["metrics_list", "three_tuple", "list"],
+    ids=["metrics_list", "three_tuple", "list", "loss_list", "role_loss_float", "role_loss_2"],
 )
 def test_a_loss_fn_returning_the_wrong_shape_gets_the_whole_message(
     returned: Callable[[torch.Tensor], Any], message: str
 ) -> None:
-    """What loss_fn returned is named in the error: metrics of another type, a tuple of another
-    length (with that length) or another container, and the fix."""
+    """What loss_fn returned is named in the error: metrics or a loss of another type, a tuple
+    of another length (with that length) or another container, a role's loss that is not a
+    scalar tensor (its type or shape), and the fix."""
     params = TensorDict({"m": {"w": torch.ones(2)}}, [])
     grad_fn = ps.value_and_grad(lambda p, b, k: returned((p["m", "w"] * 2.0).sum()))
-    with pytest.raises(TypeError) as info:
+    # a loss of the wrong kind is a TypeError, a role's loss of the wrong value a ValueError
+    with pytest.raises(ValueError if message.startswith("loss for role") else TypeError) as info:
         grad_fn(params, TensorDict({}, []), rng.key(0))
     assert str(info.value) == message
