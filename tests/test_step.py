@@ -1706,3 +1706,50 @@ def test_a_loss_fn_returning_the_wrong_shape_gets_the_whole_message(
     with pytest.raises(ValueError if message.startswith("loss for role") else TypeError) as info:
         grad_fn(params, TensorDict({}, []), rng.key(0))
     assert str(info.value) == message
+
+
+def test_per_role_losses_are_reported_detached_under_role_loss() -> None:
+    """With a loss per role, metrics hold each role's own scalar loss under (role, "loss"),
+    detached, also for a role the call does not differentiate."""
+    params = TensorDict({"a": {"w": torch.tensor([1.0, 2.0])}, "b": {"w": torch.tensor(3.0)}}, [])
+
+    def loss_fn(p: TensorDictBase, b: TensorDictBase, key: torch.Tensor) -> Any:
+        return {"a": (p["a", "w"] ** 2).sum(), "b": p["b", "w"] * 5.0}, {}
+
+    for roles in (None, ["a"]):
+        grads, metrics = ps.value_and_grad(loss_fn)(
+            params, TensorDict({}, []), rng.key(0), roles=roles
+        )
+        assert sorted(metrics.keys(include_nested=True, leaves_only=True)) == [
+            ("a", "loss"),
+            ("b", "loss"),
+        ]
+        torch.testing.assert_close(metrics["a", "loss"], torch.tensor(5.0), rtol=0, atol=0)
+        torch.testing.assert_close(metrics["b", "loss"], torch.tensor(15.0), rtol=0, atol=0)
+        assert not metrics["a", "loss"].requires_grad and not metrics["b", "loss"].requires_grad
+        assert list(grads.keys()) == (["a", "b"] if roles is None else ["a"])
+
+
+def test_a_forward_writing_its_weight_on_every_call_never_changes_the_input_params() -> None:
+    """nn.Embedding(max_norm=...) renormalises the rows it reads, in place, on every call. With
+    donate=False the input params stay as given on the first call (learning) and on every call
+    after it (the written param is computed on a copy); the new values land in buffers."""
+    torch.manual_seed(0)
+    emb = nn.Embedding(4, 3, max_norm=0.5)
+    with torch.no_grad():
+        emb.weight.mul_(4.0)
+    params = TensorDict({"e": ps.params_of("e", emb)}, [])
+    before = params.clone()
+    ids = torch.tensor([0, 2])
+
+    def loss_fn(p: TensorDictBase, b: TensorDictBase, key: torch.Tensor) -> Any:
+        return ps.call(emb, p["e"], b["ids"]).sum(), {}
+
+    grad_fn = ps.value_and_grad(loss_fn)
+    for _ in range(3):
+        buffers = TensorDict({"e": {}}, [])
+        grad_fn(params, TensorDict({"ids": ids}, [2]), rng.key(0), buffers=buffers)
+        testing.assert_trees_equal(params, before, what="params after a pure call")
+        new = buffers["e", "weight"]
+        torch.testing.assert_close(new[ids].norm(dim=1), torch.full((2,), 0.5))
+        torch.testing.assert_close(new[[1, 3]], before["e", "weight"][[1, 3]], rtol=0, atol=0)
