@@ -318,6 +318,27 @@ def _loss_returns_a_bare_tensor() -> Run:
     return (lambda: step(s.state, BATCH)), [s.state]
 
 
+def _loss_returns_a_string_metric() -> Run:
+    s = _setup()
+    net = s.net
+
+    def loss_fn(p: TensorDictBase, b: TensorDictBase, key: torch.Tensor) -> Any:
+        return (ps.call(net, p["student"], b["x"]) ** 2).mean(), {"n": 4, "phase": "warmup"}
+
+    step = ps.train_step(ps.value_and_grad(loss_fn), s.opts)
+    return (lambda: step(s.state, BATCH)), [s.state]
+
+
+def _grad_fn_given_a_bare_tensor_role() -> Run:
+    params = TensorDict({"model": {"w": torch.ones(2)}, "w": torch.ones(2)}, [])
+
+    def loss_fn(p: TensorDictBase, b: TensorDictBase, key: torch.Tensor) -> Any:
+        return (p["model", "w"] * p["w"]).sum(), {}
+
+    grad_fn = ps.value_and_grad(loss_fn)
+    return (lambda: grad_fn(params, TensorDict({}, []), torch.tensor(0))), [params]
+
+
 def _state_and_batch_swapped() -> Run:
     s = _setup()
     return (lambda: s.step(BATCH, s.state)), [s.state]
@@ -505,6 +526,20 @@ CASES = [
         _loss_returns_a_bare_tensor,
         TypeError,
         "loss_fn must return (loss, metrics), got a Tensor",
+    ),
+    Case(
+        "loss returns a string metric",
+        _loss_returns_a_string_metric,
+        TypeError,
+        "loss_fn returned metric 'phase' = 'warmup' of type str; a metric must be a tensor or "
+        "a number",
+    ),
+    Case(
+        "value_and_grad given a bare tensor role",
+        _grad_fn_given_a_bare_tensor_role,
+        TypeError,
+        "params['w'] is a Tensor, not a tree of tensors: value_and_grad takes params as "
+        "{role: {name: tensor}}; put it under a role, e.g. {'model': {'w': ...}}",
     ),
     Case("step(batch, state)", _state_and_batch_swapped, TypeError, "step(state, batch)"),
     Case("init_state(module, ...)", _init_state_given_a_module, TypeError, "params is a Linear"),

@@ -1817,3 +1817,174 @@ def test_with_index_puts_the_index_on_the_batchs_device() -> None:
     index = ps.step.with_index(batch)["index"]
     assert index.device.type == "meta" and index.dtype == torch.int64
     assert tuple(index.shape) == (3,)
+
+
+# --- value_and_grad: metric forms, losses, leaves (mutation survivors, sixth run) --------------
+
+
+def _scaled_sum_loss(
+    metrics: Any,
+) -> Callable[[TensorDictBase, TensorDictBase, torch.Tensor], Any]:
+    def loss_fn(p: TensorDictBase, b: TensorDictBase, key: torch.Tensor) -> Any:
+        return (p["m", "w"] * b["x"]).sum(), metrics
+
+    return loss_fn
+
+
+@pytest.mark.parametrize("form", ["none", "empty dict", "empty td", "dict", "td"])
+def test_every_metrics_form_gives_the_detached_values_plus_the_loss(form: str) -> None:
+    """loss_fn may return its metrics as None, {}, an empty TensorDict, a dict of numbers,
+    tensors and nested dicts, or a TensorDict: each gives a TensorDict of the same values,
+    detached, plus the scalar loss under "loss"."""
+    w = torch.tensor([1.0, -2.0])
+    x = torch.tensor([[3.0, 0.5], [1.0, 4.0]])
+    params = TensorDict({"m": {"w": w}}, [])
+    leaf = params["m", "w"].clone().requires_grad_(True).sum()
+    values: dict[str, Any] = {"acc": 0.5, "w_sum": leaf, "parts": {"a": torch.tensor(1.5)}}
+    metrics: Any = {
+        "none": None,
+        "empty dict": {},
+        "empty td": TensorDict({}, []),
+        "dict": values,
+        "td": TensorDict({**values, "acc": torch.tensor(0.5)}, []),
+    }[form]
+    _, got = ps.value_and_grad(_scaled_sum_loss(metrics))(
+        params, TensorDict({"x": x}, [2]), rng.key(0)
+    )
+    want = {"loss": (w * x).sum()}
+    if form in ("dict", "td"):
+        want |= {"acc": torch.tensor(0.5), "w_sum": w.sum(), "parts.a": torch.tensor(1.5)}
+    flat = got.flatten_keys(".")
+    assert sorted(flat.keys()) == sorted(want), list(flat.keys())
+    for k, v in want.items():
+        torch.testing.assert_close(flat[k], v, rtol=0, atol=0)
+        assert not flat[k].requires_grad, k
+
+
+@pytest.mark.parametrize(
+    ("returned", "message"),
+    [
+        (
+            lambda loss: (loss, [1.0]),
+            "loss_fn returned metrics of type list; expected a mapping or TensorDict of "
+            "scalars, or None",
+        ),
+        (
+            lambda loss: (loss, {}, {}),
+            "loss_fn must return (loss, metrics), got a tuple of 3; return `loss, {}` when "
+            "there are no metrics",
+        ),
+        (
+            lambda loss: [loss, {}],
+            "loss_fn must return (loss, metrics), got a list; return `loss, {}` when there are "
+            "no metrics",
+        ),
+        (
+            lambda loss: ([loss], {}),
+            "loss_fn returned a loss of type list; expected a scalar tensor or a mapping "
+            "{role: scalar tensor}",
+        ),
+        (lambda loss: ({"m": 1.0}, {}), "loss for role 'm' must be a scalar tensor; got float"),
+        (
+            lambda loss: ({"m": torch.ones(2)}, {}),
+            "loss for role 'm' must be a scalar tensor; got (2,)",
+        ),
+    ],
+    ids=["metrics_list", "three_tuple", "list", "loss_list", "role_loss_float", "role_loss_2"],
+)
+def test_a_loss_fn_returning_the_wrong_shape_gets_the_whole_message(
+    returned: Callable[[torch.Tensor], Any], message: str
+) -> None:
+    """What loss_fn returned is named in the error: metrics or a loss of another type, a tuple
+    of another length (with that length) or another container, a role's loss that is not a
+    scalar tensor (its type or shape), and the fix."""
+    params = TensorDict({"m": {"w": torch.ones(2)}}, [])
+    grad_fn = ps.value_and_grad(lambda p, b, k: returned((p["m", "w"] * 2.0).sum()))
+    # a loss of the wrong kind is a TypeError, a role's loss of the wrong value a ValueError
+    with pytest.raises(ValueError if message.startswith("loss for role") else TypeError) as info:
+        grad_fn(params, TensorDict({}, []), rng.key(0))
+    assert str(info.value) == message
+
+
+def test_per_role_losses_are_reported_detached_under_role_loss() -> None:
+    """With a loss per role, metrics hold each role's own scalar loss under (role, "loss"),
+    detached, also for a role the call does not differentiate."""
+    params = TensorDict({"a": {"w": torch.tensor([1.0, 2.0])}, "b": {"w": torch.tensor(3.0)}}, [])
+
+    def loss_fn(p: TensorDictBase, b: TensorDictBase, key: torch.Tensor) -> Any:
+        return {"a": (p["a", "w"] ** 2).sum(), "b": p["b", "w"] * 5.0}, {}
+
+    for roles in (None, ["a"]):
+        grads, metrics = ps.value_and_grad(loss_fn)(
+            params, TensorDict({}, []), rng.key(0), roles=roles
+        )
+        assert sorted(metrics.keys(include_nested=True, leaves_only=True)) == [
+            ("a", "loss"),
+            ("b", "loss"),
+        ]
+        torch.testing.assert_close(metrics["a", "loss"], torch.tensor(5.0), rtol=0, atol=0)
+        torch.testing.assert_close(metrics["b", "loss"], torch.tensor(15.0), rtol=0, atol=0)
+        assert not metrics["a", "loss"].requires_grad and not metrics["b", "loss"].requires_grad
+        assert list(grads.keys()) == (["a", "b"] if roles is None else ["a"])
+
+
+def test_a_forward_writing_its_weight_on_every_call_never_changes_the_input_params() -> None:
+    """nn.Embedding(max_norm=...) renormalises the rows it reads, in place, on every call. With
+    donate=False the input params stay as given on the first call (learning) and on every call
+    after it (the written param is computed on a copy); the new values land in buffers."""
+    torch.manual_seed(0)
+    emb = nn.Embedding(4, 3, max_norm=0.5)
+    with torch.no_grad():
+        emb.weight.mul_(4.0)
+    params = TensorDict({"e": ps.params_of("e", emb)}, [])
+    before = params.clone()
+    ids = torch.tensor([0, 2])
+
+    def loss_fn(p: TensorDictBase, b: TensorDictBase, key: torch.Tensor) -> Any:
+        return ps.call(emb, p["e"], b["ids"]).sum(), {}
+
+    grad_fn = ps.value_and_grad(loss_fn)
+    for _ in range(3):
+        buffers = TensorDict({"e": {}}, [])
+        grad_fn(params, TensorDict({"ids": ids}, [2]), rng.key(0), buffers=buffers)
+        testing.assert_trees_equal(params, before, what="params after a pure call")
+        new = buffers["e", "weight"]
+        torch.testing.assert_close(new[ids].norm(dim=1), torch.full((2,), 0.5))
+        torch.testing.assert_close(new[[1, 3]], before["e", "weight"][[1, 3]], rtol=0, atol=0)
+
+
+class _WritesLater(nn.Module):
+    """Writes ``a`` in place on every call, and ``b`` too from call ``later`` on."""
+
+    def __init__(self, later: int) -> None:
+        super().__init__()
+        self.a = nn.Parameter(torch.ones(2))
+        self.b = nn.Parameter(torch.ones(2))
+        self.calls = 0
+        self.later = later
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        with torch.no_grad():
+            self.a.mul_(0.5)
+            if self.calls >= self.later:
+                self.b.mul_(0.5)
+        return (self.a * x + self.b).sum()
+
+
+def test_a_write_into_a_param_not_learned_as_written_raises_naming_it() -> None:
+    """The first pure call learns that the forward writes ``a``; from then on only ``a`` runs
+    on a copy. A later write into ``b`` (shared with the input) raises, naming it, instead of
+    being lost."""
+    net = _WritesLater(later=3)
+    params = TensorDict({"m": ps.params_of("m", net)}, [])
+    grad_fn = ps.value_and_grad(lambda p, b, k: (ps.call(net, p["m"], b["x"]), {}))
+    batch = TensorDict({"x": torch.ones(2)}, [])
+    for _ in range(2):
+        grad_fn(params, batch, rng.key(0), buffers=TensorDict({"m": {}}, []))
+    with pytest.raises(RuntimeError) as info:
+        grad_fn(params, batch, rng.key(0), buffers=TensorDict({"m": {}}, []))
+    assert str(info.value).startswith(
+        "the forward wrote in place into 'm.b' of the input state although the step does not "
+        "donate it (donate=False)"
+    ), str(info.value)

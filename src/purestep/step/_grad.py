@@ -72,21 +72,26 @@ def _as_metrics(metrics: Mapping[str, Any] | TensorDictBase | None) -> TensorDic
     if isinstance(metrics, TensorDictBase):
         td = metrics
     elif isinstance(metrics, Mapping):
-        td = TensorDict(
-            {
-                k: (
-                    v if isinstance(v, (torch.Tensor, TensorDictBase, Mapping)) else torch.tensor(v)
-                )
-                for k, v in metrics.items()
-            },
-            batch_size=[],
-        )
+        td = TensorDict({k: _metric_value(k, v) for k, v in metrics.items()}, batch_size=[])
     else:
         raise TypeError(
             f"loss_fn returned metrics of type {type(metrics).__name__}; expected a mapping "
             "or TensorDict of scalars, or None"
         )
     return td.detach()  # type: ignore[no-any-return]
+
+
+def _metric_value(key: str, value: Any) -> Any:
+    """A metric value as a tensor (a number becomes a 0-dim tensor); a TypeError naming ``key``."""
+    if isinstance(value, (torch.Tensor, TensorDictBase, Mapping)):
+        return value
+    try:
+        return torch.tensor(value)
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise TypeError(
+            f"loss_fn returned metric {key!r} = {value!r} of type {type(value).__name__}; "
+            "a metric must be a tensor or a number"
+        ) from e
 
 
 def _unpack(out: Any) -> tuple[Any, Any]:
@@ -395,6 +400,8 @@ def value_and_grad(loss_fn: LossFn) -> GradFn:
         copy_versions: dict[str, list[tuple[int, int]]] = {}
         for role in all_roles:
             role_params = params.get(role)
+            # no mutants here: the helper has its own, and value_and_grad's keep their numbers
+            _check_role_tree(role, role_params)  # pragma: no mutate
             bound[role] = is_bound(role_params)
             if bound[role]:
                 if role in live:
@@ -457,6 +464,16 @@ def value_and_grad(loss_fn: LossFn) -> GradFn:
         return grads, metrics
 
     return grad_fn
+
+
+def _check_role_tree(role: str, role_params: Any) -> None:
+    """Refuse a role whose params are not a tree (a bare tensor directly under the role)."""
+    if not isinstance(role_params, TensorDictBase):
+        raise TypeError(
+            f"params[{role!r}] is a {type(role_params).__name__}, not a tree of tensors: "
+            "value_and_grad takes params as {role: {name: tensor}}; put it under a role, "
+            f"e.g. {{'model': {{{role!r}: ...}}}}"
+        )
 
 
 def _make_with(
