@@ -1029,6 +1029,7 @@ def test_state_dtypes_and_devices_do_not_follow_the_default_dtype_or_device(name
     assert_trees_equal(in_fp64, ref)
 
 
+@pytest.mark.parametrize("name", ALL)
 def test_donated_step_with_grads_for_a_subset_updates_params_in_their_own_buffers(
     name: str,
 ) -> None:
