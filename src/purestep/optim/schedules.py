@@ -22,6 +22,7 @@ Example:
 from __future__ import annotations
 
 import bisect
+import functools
 import itertools
 import math
 from collections.abc import Callable, Mapping, Sequence
@@ -72,14 +73,16 @@ def _finite(_inst: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
         raise ValueError(f"{attribute.name} must be finite, got {value}")
 
 
-def _int_field(minimum: int) -> Any:
-    def check(_inst: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{attribute.name} must be an int, got {value!r}")
-        if value < minimum:
-            raise ValueError(f"{attribute.name} must be >= {minimum}, got {value}")
+def _check_int(minimum: int, _inst: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    # Module level, bound by _int_field: it runs when a schedule is built, not at import.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{attribute.name} must be an int, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{attribute.name} must be >= {minimum}, got {value}")
 
-    return attrs.field(validator=check)
+
+def _int_field(minimum: int) -> Any:
+    return attrs.field(validator=functools.partial(_check_int, minimum))
 
 
 def _float_field(default: Any = attrs.NOTHING) -> Any:
