@@ -680,6 +680,38 @@ def test_call_inside_a_compiled_function_fills_the_tie_and_passes_keyword_argume
     assert net.lm_head.weight is net.wte.weight and not torch.equal(net.wte.weight, w)
 
 
+def test_call_while_tracing_fills_the_tie_and_passes_keyword_arguments_eagerly_emulated(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The traced path of ``ps.call`` (``torch.compiler.is_compiling()`` true: no swap, a
+    ``functional_call`` over the flattened params), run eagerly with tracing emulated, so it
+    is checked under mutmut too (whose trampolines dynamo cannot trace): a weight given under
+    one key of a tie fills both slots, params not given stay the module's own, nested keys
+    are flattened to dotted names, keyword arguments reach the forward, the gradient reaches
+    the given tensor, and the module is left as it was."""
+    torch.manual_seed(9)
+    net = _ScaledLM()
+    ref = copy.deepcopy(net)
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    w = torch.randn(11, 6, requires_grad=True)
+    with torch.no_grad():
+        ref.wte.weight.copy_(w)
+    ids = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    out = ps.call(net, TensorDict({"wte": {"weight": w}}, []), ids, scale=2.0)
+    monkeypatch.undo()
+    torch.testing.assert_close(out, ref(ids, scale=2.0), rtol=0, atol=0)
+    assert not torch.equal(out, ref(ids))  # the keyword argument mattered
+    (g,) = torch.autograd.grad(out.square().sum(), [w])
+    ref.zero_grad()
+    ref(ids, scale=2.0).square().sum().backward()
+    assert ref.wte.weight.grad is not None
+    torch.testing.assert_close(g, ref.wte.weight.grad, rtol=1e-6, atol=1e-6)
+    assert net.lm_head.weight is net.wte.weight
+    for k, v in net.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
 # 7. module randomness (dropout) --------------------------------------------------------
 
 
