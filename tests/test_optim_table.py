@@ -423,12 +423,16 @@ def test_grads_in_another_dtype_step_as_if_cast_to_the_params_dtype_first(
     init, grads = make_data([(4, 3), (3,)], 7, param_dtype, steps=2)
     given_as = [[g.to(grad_dtype) for g in gs] for gs in grads]
     cast = [[g.to(param_dtype) for g in gs] for gs in given_as]
-    for donate in (False, True):
-        p1, s1 = run_ours(row.make(**row.example), init, given_as, donate=donate)
-        p2, s2 = run_ours(row.make(**row.example), init, cast, donate=donate)
-        assert all(t.dtype == param_dtype for t in tree.leaves(p1))
-        assert_trees_equal(p1, p2)
-        assert_trees_equal(s1, s2)
+    for fused in (True, False):  # the fused kernels and the foreach fallback
+        with pytest.MonkeyPatch.context() as mp:
+            if not fused:
+                fused_off(mp, row)
+            for donate in (False, True):
+                p1, s1 = run_ours(row.make(**row.example), init, given_as, donate=donate)
+                p2, s2 = run_ours(row.make(**row.example), init, cast, donate=donate)
+                assert all(t.dtype == param_dtype for t in tree.leaves(p1))
+                assert_trees_equal(p1, p2)
+                assert_trees_equal(s1, s2)
 
 
 @settings(max_examples=10, deadline=None)

@@ -1988,3 +1988,39 @@ def test_a_write_into_a_param_not_learned_as_written_raises_naming_it() -> None:
         "the forward wrote in place into 'm.b' of the input state although the step does not "
         "donate it (donate=False)"
     ), str(info.value)
+
+
+class _Counting(nn.Module):
+    """A linear layer counting its calls in a buffer it reassigns (not updates in place)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.register_buffer("n", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.n = self.n + 1
+        out: torch.Tensor = self.lin(x)
+        return out
+
+
+def test_buffers_of_a_role_without_params_are_kept_and_later_roles_still_collected() -> None:
+    """``value_and_grad(..., buffers=)`` with a buffer role the params lack, named first: its
+    buffers are left as given, and the buffers the roles after it reassign in the forward are
+    still collected (as torch's own forward reassigns them)."""
+    net = _Counting()
+    params = TensorDict({"m": ps.params_of("m", net)}, [])
+    ghost = torch.arange(3.0)
+    buffers = TensorDict({"ghost": {"x": ghost.clone()}, "m": {"n": torch.zeros(())}}, [])
+    assert list(buffers.keys()) == ["ghost", "m"]
+    x = torch.randn(5, 3, generator=torch.Generator().manual_seed(0))
+
+    def loss_fn(p: TensorDictBase, b: TensorDictBase, key: torch.Tensor) -> Any:
+        return ps.call(net, p["m"], b["x"]).square().mean(), {}
+
+    grad_fn = ps.value_and_grad(loss_fn)
+    for calls in (1, 2):
+        grad_fn(params, TensorDict({"x": x}, [5]), rng.key(0), buffers=buffers)
+        assert float(buffers["m", "n"]) == calls
+    assert torch.equal(buffers["ghost", "x"], ghost)
+    assert float(net.n) == 0.0, "the module keeps its own buffer"
