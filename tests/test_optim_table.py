@@ -1732,3 +1732,24 @@ def test_pick_selects_the_indexed_items_in_order_and_the_list_itself_for_all(
     out = _kernels.pick(items, idx, total)
     assert len(out) == len(idx) and all(o is items[i] for o, i in zip(out, idx, strict=True))
     assert _kernels.pick(items, list(range(total)), total) is items
+
+
+@pytest.mark.parametrize("name", ["adam", "adamw", "lion", "sgd"])
+def test_a_schedule_overflowing_the_params_dtype_later_is_refused_naming_the_optimizer(
+    name: str,
+) -> None:
+    """A schedule valid at update 0 that later returns a rate above float16's largest value
+    is refused at that update, before anything changes, naming the optimizer, the update,
+    the rate and the params' dtype."""
+    opt = getattr(optim, name)(lr=lambda n: 1e-3 if n == 0 else 1e6)
+    params = TensorDict({"w": torch.ones(3, dtype=torch.float16)}, [])
+    grads = params.apply(torch.ones_like)
+    params, state = opt.step(grads, opt.init(params), params)
+    before = tree.clone(params)
+    with pytest.raises(errors.ScheduleError) as info:
+        opt.step(grads, state, params)
+    assert str(info.value).startswith(
+        f"{name}: the learning rate at update 1 is 1000000.0, which overflows torch.float16"
+    )
+    assert info.value.count == 1
+    assert_trees_equal(params, before)
