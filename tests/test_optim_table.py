@@ -15,6 +15,7 @@ import inspect
 import math
 import re
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -1753,3 +1754,21 @@ def test_a_schedule_overflowing_the_params_dtype_later_is_refused_naming_the_opt
     )
     assert info.value.count == 1
     assert_trees_equal(params, before)
+
+
+@pytest.mark.parametrize("name", ["adam", "sgd", "lion"])
+def test_update_fn_without_params_refuses_grads_unlike_the_state_naming_it(name: str) -> None:
+    """The raw ``update_fn`` without params (no weight decay; SGD with momentum, so with a
+    moment) checks the grads against the optimizer state's tree, naming the missing and unexpected keys and the state."""
+    kwargs: dict[str, Any] = {"lr": 0.1}
+    kwargs.update({"momentum": 0.9} if name == "sgd" else {"weight_decay": 0.0})
+    opt = getattr(optim, name)(**kwargs)
+    params = TensorDict({"w": torch.ones(2), "b": torch.ones(3)}, [])
+    state = opt.init(params)
+    for grads, msg in (
+        ({"w": torch.ones(2), "c": torch.ones(3)}, "missing b; unexpected c"),
+        ({"w": torch.ones(2), "b": torch.ones(3), "c": torch.ones(1)}, "unexpected c"),
+    ):
+        with pytest.raises(ValueError) as info:
+            opt.update_fn(TensorDict(grads, []), state, None)
+        assert str(info.value) == f"grads keys differ from optimizer state: {msg}"
