@@ -1769,6 +1769,6 @@ def test_update_fn_without_params_refuses_grads_unlike_the_state_naming_it(name:
         ({"w": torch.ones(2), "c": torch.ones(3)}, "missing b; unexpected c"),
         ({"w": torch.ones(2), "b": torch.ones(3), "c": torch.ones(1)}, "unexpected c"),
     ):
-        with pytest.raises(ValueError, match="^grads keys differ") as info:
+        with pytest.raises(ValueError, match=r"^grads keys differ") as info:
             opt.update_fn(TensorDict(grads, []), state, None)
         assert str(info.value) == f"grads keys differ from optimizer state: {msg}"
