@@ -39,3 +39,28 @@ class TinyNet(nn.Module):
             assert label is not None
             h = h + self.emb(label)
         return self.out(torch.tanh(h))  # type: ignore[no-any-return]
+
+
+class WritesLater(nn.Module):
+    """Scales ``a`` in place on every call, and ``b`` and ``c`` too from call ``later`` on.
+
+    A forward that writes its own weights (under ``no_grad``) only on some calls: the
+    first pure call cannot learn every weight it will write.
+    """
+
+    def __init__(self, later: int) -> None:
+        super().__init__()
+        self.a = nn.Parameter(torch.linspace(0.5, 1.5, 3))
+        self.b = nn.Parameter(torch.linspace(-1.0, 1.0, 3))
+        self.c = nn.Parameter(torch.linspace(1.0, 2.0, 3))
+        self.calls = 0
+        self.later = later
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        with torch.no_grad():
+            self.a.mul_(0.9)
+            if self.calls >= self.later:
+                self.b.mul_(0.5)
+                self.c.mul_(0.5)
+        return ((self.a * x + self.b * self.c) ** 2).mean()

@@ -19,6 +19,7 @@ from torch import nn
 
 import purestep as ps
 from _ids import safe_id
+from _tiny import WritesLater
 from purestep import _norms, errors, optim, rng, testing, tree
 
 FAST = settings(max_examples=15, deadline=None)
@@ -1953,40 +1954,23 @@ def test_a_forward_writing_its_weight_on_every_call_never_changes_the_input_para
         torch.testing.assert_close(new[[1, 3]], before["e", "weight"][[1, 3]], rtol=0, atol=0)
 
 
-class _WritesLater(nn.Module):
-    """Writes ``a`` in place on every call, and ``b`` too from call ``later`` on."""
-
-    def __init__(self, later: int) -> None:
-        super().__init__()
-        self.a = nn.Parameter(torch.ones(2))
-        self.b = nn.Parameter(torch.ones(2))
-        self.calls = 0
-        self.later = later
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.calls += 1
-        with torch.no_grad():
-            self.a.mul_(0.5)
-            if self.calls >= self.later:
-                self.b.mul_(0.5)
-        return (self.a * x + self.b).sum()
-
-
 def test_a_write_into_a_param_not_learned_as_written_raises_naming_it() -> None:
     """The first pure call learns that the forward writes ``a``; from then on only ``a`` runs
-    on a copy. A later write into ``b`` (shared with the input) raises, naming it, instead of
-    being lost."""
-    net = _WritesLater(later=3)
+    on a copy. Later writes into ``b`` and ``c`` (shared with the input) raise, naming both
+    and the two ways out, instead of being lost."""
+    net = WritesLater(later=3)
     params = TensorDict({"m": ps.params_of("m", net)}, [])
     grad_fn = ps.value_and_grad(lambda p, b, k: (ps.call(net, p["m"], b["x"]), {}))
-    batch = TensorDict({"x": torch.ones(2)}, [])
+    batch = TensorDict({"x": torch.ones(3)}, [])
     for _ in range(2):
         grad_fn(params, batch, rng.key(0), buffers=TensorDict({"m": {}}, []))
     with pytest.raises(RuntimeError) as info:
         grad_fn(params, batch, rng.key(0), buffers=TensorDict({"m": {}}, []))
-    assert str(info.value).startswith(
-        "the forward wrote in place into 'm.b' of the input state although the step does not "
-        "donate it (donate=False)"
+    assert str(info.value) == (
+        "the forward wrote in place into 'm.b', 'm.c' of the input state although the step "
+        "does not donate it (donate=False), so the input has been modified. The module writes "
+        "into its weights only on some calls; build the step with donate=True, or keep such "
+        "writes out of the forward"
     ), str(info.value)
 
 

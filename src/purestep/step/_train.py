@@ -441,7 +441,8 @@ def train_step(
             state is then invalid. ``False`` never mutates an input. Equal results.
         grad_norm: log ``(role, "grad_norm")``. It costs one read of all grads
             (``benchmarks/step.py`` measures it); turn it off when the step
-            must match a bare imperative loop.
+            must match a bare imperative loop. Under :func:`purestep.skip_nonfinite`
+            the norms are computed for the finiteness check anyway, and logged.
 
     Example:
         >>> import torch
