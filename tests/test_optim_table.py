@@ -1649,14 +1649,13 @@ def test_kernel_transform_defaults_keep_no_step_counts_and_need_no_params_for_up
     assert sorted(new_state.keys()) == ["count", "lr", "m"] and seen == [None]
 
 
-@pytest.mark.parametrize("name", [n for n in sorted(ROWS) if n != "muon"])
+@pytest.mark.parametrize("name", sorted(ROWS))
 def test_init_refuses_the_first_lr_with_the_whole_message_when_it_went_bad_after_construction(
     name: str,
 ) -> None:
     """``init`` evaluates the learning rate of update 0 again (a user callable may read
     state that changed since construction): a negative one, or one that overflows the
-    params' dtype, is refused there, naming the optimizer and update 0. (muon's own init
-    checks only the sign; its first update checks the overflow.)"""
+    params' dtype, is refused there, naming the optimizer and update 0."""
     value = [0.1]
     opt = ROWS[name].make(lr=lambda n: value[0])
     params = TensorDict({"w": torch.ones(2, dtype=torch.float16)}, [])

@@ -58,6 +58,7 @@ from purestep.optim._hparams import (
 from purestep.optim._kernels import (
     Kernel,
     check_floating,
+    check_lr_fits,
     checked_lr,
     kernel_transform,
     lr_at,
@@ -397,7 +398,9 @@ def muon(
         steps = pack_steps(
             [torch.zeros((), dtype=torch.float32, device=step_device(p, True)) for p in leaves]
         )
-        state: dict[str, object] = dict(scalar_state(0, checked_lr(hp.lr, 0, name)))
+        first = checked_lr(hp.lr, 0, name)
+        check_lr_fits(first, leaves, 0, name)
+        state: dict[str, object] = dict(scalar_state(0, first))
         state["mu"] = tree.zeros_like(params)
         state["nu"] = tree.rebuild(params, nu)
         state["steps"] = tree.rebuild(params, steps)
