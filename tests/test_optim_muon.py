@@ -11,8 +11,6 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import example, given, settings
-from hypothesis import strategies as st
 from tensordict import TensorDict
 from torch import nn
 
@@ -246,27 +244,6 @@ def test_lr_errors_name_muon() -> None:
     params, state = opt.step(as_tree([torch.ones(3, 2)]), state, params)  # lr 0 at update 2
     with pytest.raises(ScheduleError, match=r"^muon: the learning rate at update 3 is -0\.05"):
         opt.step(as_tree([torch.ones(3, 2)]), state, params)
-
-
-@settings(max_examples=10, deadline=None)
-@given(
-    lr=st.floats(0.01, 1.0),
-    weight_decay=st.floats(0.0, 1.0),
-    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
-)
-@example(lr=0.5, weight_decay=1.0, dtype=torch.float32)
-def test_weight_decay_alone_multiplies_a_muon_param_by_one_minus_lr_times_it(
-    lr: float, weight_decay: float, dtype: torch.dtype
-) -> None:
-    """With zero gradients the orthogonalised update is zero, so a step of a Muon param is the
-    decoupled decay ``p * (1 - lr * weight_decay)`` alone, for every decay (1.0 included)."""
-    opt = optim.muon(lr=lr, weight_decay=weight_decay, use_muon=lambda path, p: True)
-    p = randn(4, 3, seed=5).to(dtype)
-    params = TensorDict({"w": p.clone()}, [])
-    new, _ = opt.step(
-        TensorDict({"w": torch.zeros(4, 3, dtype=dtype)}, []), opt.init(params), params
-    )
-    assert torch.equal(new["w"], p.mul(1 - lr * weight_decay))
 
 
 def test_with_no_param_selected_muon_is_adamw_with_the_adam_hyperparameters() -> None:

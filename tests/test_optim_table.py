@@ -436,6 +436,13 @@ def test_grads_in_another_dtype_step_as_if_cast_to_the_params_dtype_first(
                 assert_trees_equal(s1, s2)
 
 
+_DECAY_ALONE: dict[str, Callable[[float, float], optim.Transform]] = {
+    "lion": lambda lr, wd: optim.lion(lr=lr, weight_decay=wd),
+    "muon": lambda lr, wd: optim.muon(lr=lr, weight_decay=wd, use_muon=lambda path, p: True),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_DECAY_ALONE))
 @settings(max_examples=10, deadline=None)
 @given(
     lr=st.floats(0.01, 1.0),
@@ -443,12 +450,13 @@ def test_grads_in_another_dtype_step_as_if_cast_to_the_params_dtype_first(
     dtype=st.sampled_from([torch.float32, torch.bfloat16]),
 )
 @example(lr=0.5, weight_decay=1.0, dtype=torch.float32)
-def test_lion_with_zero_grads_is_the_decoupled_decay_alone(
-    lr: float, weight_decay: float, dtype: torch.dtype
+def test_a_zero_gradient_step_is_the_decoupled_decay_alone(
+    name: str, lr: float, weight_decay: float, dtype: torch.dtype
 ) -> None:
-    """From zero momentum a zero gradient has sign 0, so a Lion step is ``p * (1 - lr * wd)``
-    alone, for every decay (1.0 included)."""
-    opt = optim.lion(lr=lr, weight_decay=weight_decay)
+    """Lion from zero momentum (sign 0) and Muon (a zero matrix orthogonalises to zero) turn a
+    zero gradient into a zero update, so a step is ``p * (1 - lr * wd)`` alone, bitwise, for
+    every decay (1.0 included)."""
+    opt = _DECAY_ALONE[name](lr, weight_decay)
     p = torch.linspace(-2.0, 3.0, 12).reshape(4, 3).to(dtype)
     params = TensorDict({"w": p.clone()}, [])
     zeros = TensorDict({"w": torch.zeros(4, 3, dtype=dtype)}, [])
