@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
+from tensordict import TensorDict, TensorDictBase
 from torch import nn
 
 
@@ -64,3 +66,20 @@ class WritesLater(nn.Module):
                 self.b.mul_(0.5)
                 self.c.mul_(0.5)
         return ((self.a * x + self.b * self.c) ** 2).mean()
+
+
+def without_donate(gf: Any) -> Callable[..., Any]:
+    """A user's grad_fn that takes ``buffers=`` but not ``donate=`` (so it never donates):
+    the weights its forward writes come back beside the buffers."""
+
+    def grad_fn(
+        params: TensorDictBase,
+        batch: TensorDictBase,
+        key: torch.Tensor,
+        *,
+        roles: Any = None,
+        buffers: TensorDictBase | None = None,
+    ) -> tuple[TensorDict, TensorDict]:
+        return gf(params, batch, key, roles=roles, buffers=buffers)  # type: ignore[no-any-return]
+
+    return grad_fn

@@ -19,7 +19,7 @@ from torch import nn
 
 import purestep as ps
 from _ids import safe_id
-from _tiny import WritesLater
+from _tiny import WritesLater, without_donate
 from purestep import _norms, errors, optim, rng, testing, tree
 
 FAST = settings(max_examples=15, deadline=None)
@@ -1070,22 +1070,6 @@ class _Renorm(nn.Module):
         return out
 
 
-def _without_donate(gf: ps.step.GradFn) -> Callable[..., Any]:
-    """A user's grad_fn that takes ``buffers=`` but not ``donate=`` (so it never donates)."""
-
-    def grad_fn(
-        params: TensorDictBase,
-        batch: TensorDictBase,
-        key: torch.Tensor,
-        *,
-        roles: Any = None,
-        buffers: TensorDictBase | None = None,
-    ) -> tuple[TensorDict, TensorDict]:
-        return gf(params, batch, key, roles=roles, buffers=buffers)
-
-    return grad_fn
-
-
 def test_weights_written_by_the_forward_reach_the_state_donated_or_not() -> None:
     """Embedding(max_norm) writes the looked-up rows during forward. Through a grad_fn that does
     not take ``donate=`` (the written values come back in ``buffers``), donate=True and False
@@ -1106,8 +1090,8 @@ def test_weights_written_by_the_forward_reach_the_state_donated_or_not() -> None
     init = ps.init_state({"m": net}, opt, seed=0)
     runs = {}
     for name, fn, donate in (
-        ("custom, donate=False", _without_donate(gf), False),
-        ("custom, donate=True", _without_donate(gf), True),
+        ("custom, donate=False", without_donate(gf), False),
+        ("custom, donate=True", without_donate(gf), True),
         ("value_and_grad, donate=True", gf, True),
     ):
         step = ps.train_step(fn, opt, donate=donate)
@@ -1163,7 +1147,7 @@ def test_written_weights_and_buffers_of_several_roles_equal_the_imperative_loop(
 
     opt = {r: optim.sgd(0.1) for r in nets}
     gf = ps.value_and_grad(lambda p, b, key: (loss_of(nets, p, b), {}))
-    step = ps.train_step(_without_donate(gf) if custom else gf, opt, donate=donate)
+    step = ps.train_step(without_donate(gf) if custom else gf, opt, donate=donate)
     g = torch.Generator().manual_seed(1)
     batches = [
         TensorDict(

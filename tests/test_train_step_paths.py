@@ -14,7 +14,7 @@ from tensordict import TensorDict, TensorDictBase
 from torch import nn
 
 import purestep as ps
-from _tiny import WritesLater
+from _tiny import WritesLater, without_donate
 from purestep import errors, optim, testing
 
 FAST = settings(max_examples=8, deadline=None)
@@ -56,22 +56,6 @@ def test_a_donated_step_whose_forward_writes_its_weights_on_some_calls_equals_th
         )
 
 
-def _without_donate(gf: Any) -> Any:
-    """A user's grad_fn taking ``buffers=`` but not ``donate=``: writes come back as buffers."""
-
-    def grad_fn(
-        params: TensorDictBase,
-        batch: TensorDictBase,
-        key: torch.Tensor,
-        *,
-        roles: Any = None,
-        buffers: TensorDictBase | None = None,
-    ) -> tuple[TensorDict, TensorDict]:
-        return gf(params, batch, key, roles=roles, buffers=buffers)  # type: ignore[no-any-return]
-
-    return grad_fn
-
-
 def test_weights_a_forward_wrote_are_copied_into_a_donated_states_own_buffers() -> None:
     """Through a grad_fn without ``donate=`` the written weights come back beside the
     buffers; a donated step copies them into the input's param tensors (its buffers are
@@ -80,7 +64,7 @@ def test_weights_a_forward_wrote_are_copied_into_a_donated_states_own_buffers() 
         net = WritesLater(later=1)
         opt = {"m": optim.sgd(0.1)}
         gf = ps.value_and_grad(lambda p, b, k, net=net: (ps.call(net, p["m"], b["x"]), {}))
-        step = ps.train_step(_without_donate(gf), opt, donate=donate)
+        step = ps.train_step(without_donate(gf), opt, donate=donate)
         state = step.prepare(ps.init_state({"m": net}, opt, seed=0))
         state["buffers"] = TensorDict({"m": {}}, [])
         before = testing.snapshot(state["params"])
