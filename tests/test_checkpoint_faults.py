@@ -564,6 +564,18 @@ def test_prune_removes_only_what_purestep_made(tmp_path: Path) -> None:
     os.rename(tmp_path / "y", tmp_path / "step_00000006.del-abc")
     (tmp_path / "step_00000006.del-abc" / "__0_0.distcp").unlink()
     (tmp_path / "step_00000007.tmp-0123").mkdir()
+    # a save killed between creating its marker and writing it: an empty or torn marker alone
+    for name, text in (("step_00000008.tmp-4567", ""), ("step_00000010.tmp-89ab", '{"form')):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / ".purestep").write_text(text)
+    # ... but beside a user's file, or naming another token, the directory is not purestep's
+    (tmp_path / "step_00000011.tmp-cdef").mkdir()
+    (tmp_path / "step_00000011.tmp-cdef" / ".purestep").write_text("")
+    (tmp_path / "step_00000011.tmp-cdef" / "file.txt").write_text("w")
+    (tmp_path / "step_00000012.tmp-0000").mkdir()
+    shutil.copy(
+        tmp_path / "step_00000001.tmp-usercopy" / ".purestep", tmp_path / "step_00000012.tmp-0000"
+    )
     # a damaged checkpoint
     ckpt.save(_small(0), ckpt.step_dir(tmp_path, 0))
     os.truncate(ckpt.step_dir(tmp_path, 0) / "__0_0.distcp", 5)
@@ -575,9 +587,20 @@ def test_prune_removes_only_what_purestep_made(tmp_path: Path) -> None:
         f"step_00000005.tmp-{token}",
         "step_00000006.del-abc",
         "step_00000007.tmp-0123",
+        "step_00000008.tmp-4567",
+        "step_00000010.tmp-89ab",
     ]
     left = sorted(p.name for p in tmp_path.iterdir())
-    assert left == sorted([*user, "step_00000001.tmp-usercopy", "step_00000000", "step_00000003"])
+    assert left == sorted(
+        [
+            *user,
+            "step_00000001.tmp-usercopy",
+            "step_00000011.tmp-cdef",
+            "step_00000012.tmp-0000",
+            "step_00000000",
+            "step_00000003",
+        ]
+    )
     for name, text in user.items():
         assert (tmp_path / name / "file.txt").read_text() == text
     ckpt.verify(tmp_path / "step_00000001.tmp-usercopy")

@@ -1958,6 +1958,24 @@ def test_a_write_into_a_param_not_learned_as_written_raises_naming_it() -> None:
     ), str(info.value)
 
 
+def test_a_forward_writing_its_weights_without_buffers_to_receive_them_raises_naming_them() -> None:
+    """A pure grad_fn call whose forward writes weights in place (here three, under no_grad)
+    has nowhere to put the new values without ``buffers=``: it raises naming every weight
+    written and both ways out, and the caller's params are unchanged."""
+    net = WritesLater(later=1)
+    params = TensorDict({"m": ps.params_of("m", net)}, [])
+    before = params.clone()
+    grad_fn = ps.value_and_grad(lambda p, b, k: (ps.call(net, p["m"], b["x"]), {}))
+    with pytest.raises(RuntimeError) as info:
+        grad_fn(params, TensorDict({"x": torch.ones(3)}, []), rng.key(0))
+    assert str(info.value) == (
+        "the forward writes in place into 'm.a', 'm.b', 'm.c' (e.g. nn.Embedding(max_norm=...)); "
+        "pass buffers= (a TensorDict that receives the new values) to grad_fn, or use "
+        "purestep.train_step, which hands them to the optimizer"
+    ), str(info.value)
+    testing.assert_trees_equal(params, before, what="params after the refused call")
+
+
 class _Counting(nn.Module):
     """A linear layer counting its calls in a buffer it reassigns (not updates in place)."""
 

@@ -293,8 +293,21 @@ def _ours(p: Path, kind: str) -> bool:
     except OSError:
         return False
     if kind == _TMP:
-        return marker_token(p) == p.name.rsplit(_TMP, 1)[1]
+        if marker_token(p) == p.name.rsplit(_TMP, 1)[1]:
+            return True
+        # a save killed between creating its marker and writing the token into it leaves the
+        # marker alone, empty or cut short: nothing else is in the directory, nothing to lose
+        return _only_a_torn_marker(p)
     return _purestep_metadata(p) or marker_token(p) is not None
+
+
+def _only_a_torn_marker(p: Path) -> bool:
+    """Whether ``p`` holds nothing but an unreadable :data:`MARKER` (its write was interrupted)."""
+    try:
+        names = [e.name for e in os.scandir(p)]
+    except OSError:
+        return False
+    return names == [MARKER] and (p / MARKER).is_file() and marker_token(p) is None
 
 
 def prune(root: str | os.PathLike[str], keep_last: int) -> list[Path]:
@@ -302,7 +315,8 @@ def prune(root: str | os.PathLike[str], keep_last: int) -> list[Path]:
 
     Only directories purestep created are removed: complete checkpoints
     (recognised by their ``metadata.json``) and scratch directories
-    (``*.tmp-<token>`` holding purestep's marker file with that token,
+    (``*.tmp-<token>`` holding purestep's marker file with that token, or
+    nothing but a marker cut short by a save killed while writing it,
     ``*.old-*`` / ``*.del-*`` holding a purestep ``metadata.json`` or marker,
     or any empty one). A ``*.old-*`` checkpoint whose original name is gone is
     the only copy of that checkpoint and is kept. Damaged checkpoints
