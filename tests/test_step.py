@@ -187,6 +187,55 @@ def test_accumulated_grads_equal_full_batch_grads(seed: int, b: int, k: int) -> 
     testing.assert_trees_close(acc_m, full_m, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_a_grad_fn_nested_in_an_accumulated_loss_leaves_the_accumulated_grads_alone(k: int) -> None:
+    """Only the outer ``grad_fn`` of a microbatch takes the accumulation sink: a ``grad_fn``
+    called inside its ``loss_fn`` (a penalty computed from another loss's gradients) gets
+    its own gradients, and the accumulated ones equal ``torch.autograd.grad`` of the
+    outer loss alone (the inner value enters it as a constant)."""
+    net = _mlp(0)
+    params = TensorDict({"s": ps.params_of("s", net)}, [])
+    batch = _batch(0, 6)
+
+    def inner_loss(p: TensorDictBase, bt: TensorDictBase, key: torch.Tensor) -> Any:
+        return (ps.call(net, p["s"], bt["x"]) ** 2).sum(), {}
+
+    inner = ps.value_and_grad(inner_loss)
+    inner_norms: list[torch.Tensor] = []
+
+    def outer_loss(p: TensorDictBase, bt: TensorDictBase, key: torch.Tensor) -> Any:
+        g, _ = inner(p, bt, key)
+        norm = sum((t**2).sum() for t in g["s"].values(include_nested=True, leaves_only=True))
+        inner_norms.append(norm)
+        mse = ((ps.call(net, p["s"], bt["x"]) - bt["y"]) ** 2).mean()
+        return mse + norm, {}
+
+    got, _ = ps.accumulate(ps.value_and_grad(outer_loss), k)(params, batch, rng.key(0))
+    mse = ((net(batch["x"]) - batch["y"]) ** 2).mean()
+    want = torch.autograd.grad(mse, [p for _, p in net.named_parameters()])
+    for (name, _), w in zip(net.named_parameters(), want, strict=True):
+        torch.testing.assert_close(got["s", *name.split(".")], w, rtol=1e-5, atol=1e-6)
+    # each inner call saw its own microbatch's gradients, not a running sum
+    assert len(inner_norms) == k and all(bool(torch.isfinite(n)) for n in inner_norms)
+
+
+def test_a_sink_serves_the_first_grad_fn_call_of_a_microbatch_only() -> None:
+    """``take_sink`` hands the sink in scope to its first caller and ``None`` after, until
+    the next microbatch's scope."""
+    from purestep.step._sink import MicrobatchGrads, sink_scope, take_sink
+
+    s = MicrobatchGrads()
+    assert take_sink() is None
+    with sink_scope(s, 0.5):
+        assert take_sink() is s
+        assert s.taken is True
+        assert take_sink() is None
+        assert take_sink() is None
+    with sink_scope(s, 0.25):
+        assert take_sink() is s and s.weight == 0.25
+    assert take_sink() is None
+
+
 def test_accumulate_assigns_index_before_splitting() -> None:
     """Without batch['index'], microbatches still see global ids 0..B-1."""
     seen: list[torch.Tensor] = []
